@@ -1,0 +1,171 @@
+"""Typed, validated configuration for needle, with presets.
+
+Every config is a frozen pydantic model that rejects unknown keys, so a typo in a flow
+parameter or a CLI override is an error rather than a silently ignored setting. Flows take
+plain JSON-friendly dicts and build these with ``Config.model_validate(d)``.
+
+    from needle.config import model_preset, TrainConfig
+    cfg = model_preset("tiny")
+    train = TrainConfig(mode="lora", steps=10)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    """Base: unknown keys are errors, instances are immutable and hashable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """Decoder-only transformer shape (RMSNorm, RoPE, grouped-query attention, gated MLP)."""
+
+    preset: str = Field("custom", description="name of the preset this came from (for tracking)")
+    vocab_size: int = Field(1024, gt=16, description="tokenizer vocabulary size, special tokens included")
+    d_model: int = Field(128, gt=0, description="residual stream width")
+    n_layers: int = Field(4, gt=0, description="number of transformer blocks")
+    n_heads: int = Field(4, gt=0, description="query heads")
+    n_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
+    d_ff: int = Field(384, gt=0, description="hidden width of the gated MLP")
+    max_len: int = Field(256, gt=0, description="longest sequence the model sees (tokens)")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency")
+    norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    tie_embeddings: bool = Field(True, description="share the input embedding with the output projection")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dimension must be even for RoPE")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
+
+
+class LoraConfig(_Strict):
+    """Low-rank adapters: y = x·W + (alpha/rank)·(x·A)·B with W frozen."""
+
+    rank: int = Field(16, gt=0, description="adapter rank r")
+    alpha: float = Field(32.0, gt=0, description="scale numerator; the update is scaled by alpha/rank")
+    targets: tuple[LoraTarget, ...] = Field(
+        ("q", "k", "v", "o", "gate", "up", "down"),
+        min_length=1,
+        description="projections that get an adapter: attention q/k/v/o and MLP gate/up/down",
+    )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class OptimConfig(_Strict):
+    """Optax chain: clip by global norm, AdamW, linear warmup then cosine decay."""
+
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup length in optimizer steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a fraction of the peak")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW decoupled weight decay")
+    b1: float = Field(0.9, ge=0, lt=1, description="Adam first-moment decay")
+    b2: float = Field(0.98, ge=0, lt=1, description="Adam second-moment decay")
+    clip_norm: float = Field(1.0, gt=0, description="global gradient-norm clip")
+
+
+class TrainConfig(_Strict):
+    """What to train and how long; the loop's cadence of hooks."""
+
+    mode: Literal["lora", "full", "scratch"] = Field(
+        "lora", description="lora: adapters on a frozen base; full: all weights from a base; scratch: random init"
+    )
+    steps: int = Field(200, gt=0, description="optimizer steps")
+    batch_size: int = Field(16, gt=0, description="sequences per optimizer step (global, all devices)")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per step; batch_size must divide by it")
+    seed: int = Field(0, description="seed for init, shuffling and any sampling")
+    log_every: int = Field(10, gt=0, description="fetch metrics from the device every N steps")
+    eval_every: int = Field(0, ge=0, description="validation loss every N steps (0: only at the end)")
+    checkpoint_every: int = Field(100, gt=0, description="save a checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
+    compilation_cache_dir: str | None = Field(
+        ".cache/jax", description="persistent XLA compilation cache directory (None: off)"
+    )
+
+    @model_validator(mode="after")
+    def _check_accum(self) -> "TrainConfig":
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+        return self
+
+
+class DataConfig(_Strict):
+    """Where the tool-calling rows come from and how they become fixed-shape batches."""
+
+    source: str = Field(..., description="JSONL path, glob, or a Hugging Face hub dataset id")
+    max_len: int = Field(256, gt=8, description="longest tokenized row; longer rows are counted and truncated")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="share of rows held out for validation")
+    test_fraction: float = Field(0.1, ge=0, lt=1, description="share of rows held out for the test split")
+    split_seed: int = Field(0, description="seed of the deterministic train/val/test split")
+    on_error: Literal["fail", "drop"] = Field(
+        "fail", description="fail on the first bad rows (file:line), or drop them and report how many and why"
+    )
+    on_truncate: Literal["fail", "truncate"] = Field(
+        "truncate", description="rows longer than max_len: truncate (counted and reported) or fail"
+    )
+
+
+class EvalConfig(_Strict):
+    """Generation-based evaluation of emitted tool calls."""
+
+    max_new_tokens: int = Field(96, gt=0, description="token budget for each generated answer")
+    batch_size: int = Field(32, gt=0, description="rows decoded together")
+    max_rows: int | None = Field(None, gt=0, description="cap on evaluated rows (None: the whole split)")
+
+
+_MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # Tests: seconds to compile and run.
+    "tiny": dict(vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=256),
+    # CPU default: the main job (base + LoRA + eval) finishes in a few minutes on 2 cores.
+    "small": dict(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384, max_len=256),
+    # About 4x small's compute per token; the benchmark's "larger" config.
+    "medium": dict(vocab_size=1024, d_model=256, n_layers=6, n_heads=8, n_kv_heads=4, d_ff=768, max_len=256),
+    # Needle's size class, about 45M parameters: for GPUs.
+    "needle-45m": dict(
+        vocab_size=16384, d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, d_ff=1536, max_len=512
+    ),
+}
+
+
+def model_preset(name: str, **overrides: Any) -> ModelConfig:
+    """Return the named model preset, with overrides validated like any other key."""
+    if name not in _MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(_MODEL_PRESETS)}")
+    return ModelConfig.model_validate({**_MODEL_PRESETS[name], "preset": name, **overrides})
+
+
+def preset_names() -> list[str]:
+    """Names accepted by :func:`model_preset`."""
+    return list(_MODEL_PRESETS)
+
+
+def flatten_config(obj: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested configs to dotted keys (``lora.rank``) for tracking params."""
+    data = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_config(value, prefix=f"{name}."))
+        else:
+            out[name] = value
+    return out
