@@ -164,6 +164,10 @@ def flatten_config(obj: BaseModel | dict[str, Any], prefix: str = "") -> dict[st
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        if isinstance(value, tuple):
+            value = list(value)
         if isinstance(value, dict):
             out.update(flatten_config(value, prefix=f"{name}."))
         else:

@@ -1,0 +1,55 @@
+"""Backend probe and per-backend settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from needle.hardware import format_probe, probe, settings_for
+
+
+def test_probe_reports_cpu_here():
+    info = probe()
+    assert info["backend"] == "cpu"
+    assert info["accelerated"] is False
+    assert info["device_count"] == len(info["devices"]) >= 1
+    assert info["devices"][0]["platform"] == "cpu"
+    for key in ("jax_version", "jaxlib_version", "flax_version", "process_index", "process_count",
+                "local_device_count"):
+        assert key in info
+    assert "Running on CPU: fine-tuning will be slower" in format_probe(info)
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,fused,unrolled",
+    [("cpu", "float32", False, True), ("gpu", "bfloat16", True, True),
+     ("cuda", "bfloat16", True, True), ("rocm", "bfloat16", True, True),
+     ("metal", "float32", False, True)],
+)
+def test_settings_per_backend(backend, dtype, fused, unrolled):
+    s = settings_for(backend)
+    assert s.compute_dtype == dtype
+    assert s.param_dtype == "float32"  # master weights stay float32 everywhere
+    assert s.fused_attention is fused
+    assert s.scan_layers is (not unrolled)
+    if backend == "metal":
+        assert s.remat is False
+
+
+def test_gpu_report_line():
+    info = probe()
+    info = {**info, "backend": "gpu", "accelerated": True,
+            "settings": {**info["settings"], **settings_for("gpu").__dict__}}
+    assert "GPU acceleration enabled for fine-tuning" in format_probe(info)
+
+
+def test_cli_probe_json_honours_jax_platforms():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "needle.cli", "probe", "--json"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    info = json.loads(out)
+    assert info["backend"] == "cpu" and info["jax_platforms"] == "cpu"
+    for key in ("backend", "devices", "device_count", "accelerated", "jax_version"):
+        assert key in info

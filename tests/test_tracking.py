@@ -1,0 +1,108 @@
+"""MlflowTracker against a throwaway SQLite store: batching, redaction, truncation, status."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from needle.tracking import (
+    MAX_PARAM_VALUE_CHARS,
+    REDACTED,
+    TRUNCATED_TAG,
+    MlflowTracker,
+    NoopTracker,
+    Tracker,
+    is_secret_key,
+)
+
+
+@pytest.fixture()
+def mlflow_run(tmp_path: Path) -> tuple[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    run = client.create_run(exp)
+    return uri, run.info.run_id
+
+
+def test_protocol_is_satisfied() -> None:
+    assert isinstance(NoopTracker(), Tracker)
+
+
+@pytest.mark.parametrize(
+    "key, secret",
+    [
+        ("hf_token", True),
+        ("api-key", True),
+        ("db.password", True),
+        ("apiKey", True),
+        ("client_secret", True),
+        ("eval.max_new_tokens", False),
+        ("train.keep_checkpoints", False),
+        ("model.vocab_size", False),
+        ("monkey", False),
+    ],
+)
+def test_is_secret_key(key: str, secret: bool) -> None:
+    assert is_secret_key(key) is secret
+
+
+def test_metrics_are_batched_with_steps(mlflow_run: tuple[str, str]) -> None:
+    uri, run_id = mlflow_run
+    tracker = MlflowTracker(run_id, uri, flush_every=1000, flush_seconds=1e9)
+    for step in range(0, 50, 10):
+        tracker.log_metrics({"loss": 5.0 - step / 10, "lr": 1e-3}, step=step)
+    # Nothing sent yet: the buffer has not reached flush_every.
+    assert tracker.client.get_metric_history(run_id, "loss") == []
+    tracker.finish()
+    history = tracker.client.get_metric_history(run_id, "loss")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == [0, 10, 20, 30, 40]
+    assert min(m.value for m in history) == pytest.approx(1.0)
+
+
+def test_flush_every_sends_without_finish(mlflow_run: tuple[str, str]) -> None:
+    uri, run_id = mlflow_run
+    tracker = MlflowTracker(run_id, uri, flush_every=4, flush_seconds=1e9)
+    tracker.log_metrics({"a": 1.0, "b": 2.0}, step=1)
+    tracker.log_metrics({"a": 1.5, "b": 2.5}, step=2)
+    assert len(tracker.client.get_metric_history(run_id, "a")) == 2
+
+
+def test_params_redacted_and_truncated_with_note(mlflow_run: tuple[str, str]) -> None:
+    uri, run_id = mlflow_run
+    tracker = MlflowTracker(run_id, uri)
+    tracker.log_params({"lora.rank": 8, "hf_token": "hf_abc123", "long": "x" * 7000})
+    tracker.set_tags({"backend": "cpu", "service_password": "hunter2"})
+    tracker.finish()
+    run = tracker.client.get_run(run_id)
+    assert run.data.params["lora.rank"] == "8"
+    assert run.data.params["hf_token"] == REDACTED
+    assert len(run.data.params["long"]) == MAX_PARAM_VALUE_CHARS
+    assert run.data.tags[TRUNCATED_TAG] == "long"
+    assert run.data.tags["backend"] == "cpu"
+    assert run.data.tags["service_password"] == REDACTED
+
+
+def test_finish_marks_status(mlflow_run: tuple[str, str]) -> None:
+    uri, run_id = mlflow_run
+    tracker = MlflowTracker(run_id, uri)
+    tracker.log_metrics({"loss": float("nan")}, step=3)
+    tracker.finish("FAILED")
+    assert tracker.client.get_run(run_id).info.status == "FAILED"
+    assert len(tracker.client.get_metric_history(run_id, "loss")) == 1
+
+
+def test_log_artifact_file_and_dir(mlflow_run: tuple[str, str], tmp_path: Path) -> None:
+    uri, run_id = mlflow_run
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "report.json").write_text("{}")
+    tracker = MlflowTracker(run_id, uri)
+    tracker.log_artifact(tmp_path / "model", "model")
+    tracker.log_artifact(tmp_path / "report.json")
+    names = {f.path for f in tracker.client.list_artifacts(run_id)}
+    assert names == {"model", "report.json"}
+    assert [f.path for f in tracker.client.list_artifacts(run_id, "model")] == ["model/config.json"]
