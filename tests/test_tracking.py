@@ -17,15 +17,23 @@ from needle.tracking import (
 )
 
 
-@pytest.fixture()
-def mlflow_run(tmp_path: Path) -> tuple[str, str]:
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """One SQLite store per module: creating its schema costs seconds."""
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
-    run = client.create_run(exp)
-    return uri, run.info.run_id
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    exp = MlflowClient(tracking_uri=uri).create_experiment("t", artifact_location=(root / "art").as_uri())
+    return uri, exp
+
+
+@pytest.fixture()
+def mlflow_run(mlflow_store: tuple[str, str]) -> tuple[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    uri, exp = mlflow_store
+    return uri, MlflowClient(tracking_uri=uri).create_run(exp).info.run_id
 
 
 def test_protocol_is_satisfied() -> None:

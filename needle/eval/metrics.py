@@ -25,9 +25,9 @@ Definitions (a rate whose denominator is 0 is ``None``, never NaN):
   (an unparsed output counts as neither right nor a call).
 - ``parse_rate``: over all rows, the output parsed.
 
-Tool ``parameters`` may be a JSON schema (``{"type": "object", "properties": …}``) or the
-xLAM shorthand ``{arg: {"type": "str, optional", "description": …, "default": …}}``, which is
-converted to a schema with ``additionalProperties: false``.
+Tool ``parameters`` is the JSON schema of the arguments, as ``needle.data.schema.parse_row``
+normalises it (xLAM parameter maps already converted). An argument name the schema does not
+declare makes a call invalid unless the schema sets ``additionalProperties`` itself.
 """
 
 from __future__ import annotations
@@ -68,23 +68,6 @@ FLAG_KEYS: tuple[str, ...] = (
     "arg_gold",
 )
 
-# xLAM type names → JSON schema types; anything else is left unconstrained.
-_XLAM_TYPES = {
-    "str": "string",
-    "string": "string",
-    "int": "integer",
-    "integer": "integer",
-    "float": "number",
-    "number": "number",
-    "bool": "boolean",
-    "boolean": "boolean",
-    "list": "array",
-    "array": "array",
-    "dict": "object",
-    "object": "object",
-}
-
-
 def canonical(value: Any) -> Any:
     """A hashable, order-free form of a JSON value; numbers compare by value, bools apart."""
     if isinstance(value, bool) or value is None:
@@ -100,36 +83,10 @@ def canonical(value: Any) -> Any:
     return ("o", repr(value))
 
 
-def _xlam_type(spec: Any) -> tuple[str | None, bool]:
-    """(JSON schema type or None, optional?) for an xLAM type string like ``List[int], optional``."""
-    raw = str(spec or "").strip()
-    optional = "optional" in raw.lower()
-    base = raw.split(",")[0].strip().lower()
-    base = base.split("[")[0].strip()
-    return _XLAM_TYPES.get(base), optional
-
-
-def tool_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON schema of a tool's arguments (converting the xLAM shorthand)."""
-    params = tool.get("parameters") or {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"tool {tool.get('name')!r}: 'parameters' is not an object")
-    if params.get("type") == "object" or "properties" in params:
-        return dict(params)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for arg, spec in params.items():
-        spec = spec if isinstance(spec, Mapping) else {}
-        json_type, optional = _xlam_type(spec.get("type"))
-        properties[arg] = {"type": json_type} if json_type else {}
-        if not optional and "default" not in spec:
-            required.append(arg)
-    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
-
-
 @lru_cache(maxsize=4096)
-def _validator(tool_json: str) -> jsonschema.protocols.Validator:
-    schema = tool_schema(json.loads(tool_json))
+def _validator(schema_json: str) -> jsonschema.protocols.Validator:
+    # Rows repeat the same few tools: build each validator once.
+    schema = json.loads(schema_json)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     cls.check_schema(schema)
     return cls(schema)
@@ -142,11 +99,19 @@ def check_calls(calls: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str,
         tool = by_name.get(call.get("name"))
         if tool is None:
             return f"call {i}: {call.get('name')!r} is not a declared tool"
+        schema = tool.get("parameters") or {"type": "object"}
+        args = call.get("arguments", {})
+        declared = schema.get("properties")
+        if isinstance(declared, Mapping) and "additionalProperties" not in schema:
+            # A hallucinated argument name would fail a real API even where JSON schema allows it.
+            extra = sorted(set(args) - set(declared))
+            if extra:
+                return f"call {i} ({call['name']}): undeclared argument {extra[0]!r}"
         try:
-            validator = _validator(json.dumps(tool, sort_keys=True))
-        except (ValueError, jsonschema.SchemaError) as exc:
+            validator = _validator(json.dumps(schema, sort_keys=True))
+        except (TypeError, ValueError, jsonschema.SchemaError) as exc:
             return f"call {i}: tool {call['name']!r} has an unusable schema: {str(exc).splitlines()[0]}"
-        error = jsonschema.exceptions.best_match(validator.iter_errors(call.get("arguments", {})))
+        error = jsonschema.exceptions.best_match(validator.iter_errors(args))
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path) or "arguments"
             return f"call {i} ({call['name']}): {where}: {error.message}"
@@ -161,7 +126,11 @@ def _arg_triples(calls: Sequence[Mapping[str, Any]] | None) -> Counter:
     return triples
 
 
-def score_example(tools: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]], predicted: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+def score_example(
+    tools: Sequence[Mapping[str, Any]],
+    expected: Sequence[Mapping[str, Any]],
+    predicted: Sequence[Mapping[str, Any]] | None,
+) -> dict[str, Any]:
     """The per-row flags (see :data:`FLAG_KEYS`); ``tool_ok`` is None on off-topic rows."""
     parsed = predicted is not None
     offtopic = len(expected) == 0

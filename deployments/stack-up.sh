@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Start the local needle stack on 127.0.0.1 only:
+#   a Prefect server, an MLflow tracking server with its UI (SQLite store, local artifact folder),
+#   the process work pool `needle-pool`, the deployments of prefect.yaml, and a worker.
+# Each service runs in its own process group (setsid) so deployments/stack-down.sh can stop it
+# and everything it spawned. Pids, logs and all state live under $NEEDLE_STACK_DIR.
+#
+#   deployments/stack-up.sh
+#   source .state/stack/env.sh && prefect deployment run needle/finetune --watch
+#   deployments/stack-down.sh
+#
+# Environment (all optional):
+#   NEEDLE_STACK_DIR   state, pids and logs          (default: <checkout>/.state/stack)
+#   PREFECT_PORT       Prefect API and UI port       (default: 4200)
+#   MLFLOW_PORT        MLflow tracking server and UI (default: 5000)
+#   NEEDLE_BIN         folder with python/prefect/mlflow (default: <checkout>/.venv/bin)
+#   JAX_PLATFORMS      passed to flow runs (empty: JAX picks the best backend)
+#   STACK_TIMEOUT      seconds to wait for each service (default: 120)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STACK="${NEEDLE_STACK_DIR:-$ROOT/.state/stack}"
+PREFECT_PORT="${PREFECT_PORT:-4200}"
+MLFLOW_PORT="${MLFLOW_PORT:-5000}"
+BIN="${NEEDLE_BIN:-$ROOT/.venv/bin}"
+TIMEOUT="${STACK_TIMEOUT:-120}"
+mkdir -p "$STACK/logs" "$STACK/pids" "$STACK/prefect" "$STACK/mlartifacts"
+STACK="$(cd "$STACK" && pwd)"
+
+# Everything below (and the flow runs the worker starts) sees these.
+export PREFECT_HOME="$STACK/prefect"
+export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export DO_NOT_TRACK=1
+export MLFLOW_TRACKING_URI="http://127.0.0.1:$MLFLOW_PORT"
+export NEEDLE_CHECKOUT="$ROOT"  # prefect.yaml's pull step: flow runs start in this checkout
+export JAX_PLATFORMS="${JAX_PLATFORMS-}"
+export PATH="$BIN:$PATH"
+cat >"$STACK/env.sh" <<ENV
+export PREFECT_HOME="$PREFECT_HOME" PREFECT_API_URL="$PREFECT_API_URL" MLFLOW_TRACKING_URI="$MLFLOW_TRACKING_URI"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 NEEDLE_CHECKOUT="$ROOT" PATH="$BIN:\$PATH"
+ENV
+
+# start NAME CMD...: run CMD in a new session (its own process group) in the background.
+start() {
+    local name=$1
+    shift
+    if [[ -f "$STACK/pids/$name.pid" ]] && kill -0 "$(cat "$STACK/pids/$name.pid")" 2>/dev/null; then
+        echo "$name already running (pid $(cat "$STACK/pids/$name.pid"))"
+        return
+    fi
+    setsid "$@" >"$STACK/logs/$name.log" 2>&1 </dev/null &
+    echo $! >"$STACK/pids/$name.pid"
+}
+
+# wait_for NAME CHECK-CMD...: poll until CHECK succeeds, failing early if the service died.
+wait_for() {
+    local name=$1 deadline=$((SECONDS + TIMEOUT))
+    shift
+    until "$@" >/dev/null 2>&1; do
+        if ! kill -0 "$(cat "$STACK/pids/$name.pid")" 2>/dev/null; then
+            echo "$name exited; last log lines:" >&2
+            tail -n 30 "$STACK/logs/$name.log" >&2
+            exit 1
+        fi
+        if ((SECONDS > deadline)); then
+            echo "$name not healthy after ${TIMEOUT}s; see $STACK/logs/$name.log" >&2
+            exit 1
+        fi
+        sleep 1
+    done
+    echo "$name ready"
+}
+
+http_ok() { "$BIN/python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=3)' "$1"; }
+
+start prefect-server prefect server start --host 127.0.0.1 --port "$PREFECT_PORT"
+start mlflow-server mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+    --backend-store-uri "sqlite:///$STACK/mlflow.db" --artifacts-destination "$STACK/mlartifacts"
+wait_for prefect-server http_ok "$PREFECT_API_URL/health"
+wait_for mlflow-server http_ok "$MLFLOW_TRACKING_URI/health"
+
+cd "$ROOT"
+prefect work-pool create needle-pool --type process --overwrite >"$STACK/logs/work-pool.log" 2>&1
+prefect --no-prompt deploy --all >"$STACK/logs/deploy.log" 2>&1 || { cat "$STACK/logs/deploy.log" >&2; exit 1; }
+echo "deployed: $(grep -o "needle/[a-z_-]*" "$STACK/logs/deploy.log" | sort -u | tr '\n' ' ')"
+
+start worker prefect worker start --pool needle-pool --type process --name "needle-worker-$PREFECT_PORT"
+wait_for worker grep -q "started" "$STACK/logs/worker.log"
+
+echo "Prefect UI: http://127.0.0.1:$PREFECT_PORT   MLflow UI: $MLFLOW_TRACKING_URI"
+echo "Use it: source $STACK/env.sh && prefect deployment run needle/finetune --watch"

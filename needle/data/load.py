@@ -1,0 +1,239 @@
+"""Read and validate tool-calling rows from JSONL files, globs, or a Hugging Face hub id.
+
+Every bad line becomes a ``DataIssue`` printed as ``file:line: reason`` (not UTF-8, not JSON,
+not an object, a missing or ill-typed field, an undeclared tool, a missing or ill-typed
+argument, an empty file). ``on_error="fail"`` raises ``DataError`` listing them;
+``"drop"`` keeps the good rows and returns the issues so the caller can report them.
+Blank lines are skipped (JSONL convention), but a file without a single row is an error.
+
+    rows, issues = read_rows("data/sample/base.jsonl")
+    print(format_validation(validate_source("data/*.jsonl")))
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import datasets
+
+from needle.data.schema import Row, parse_row, row_to_dict
+from needle.errors import DataError, DataIssue
+
+OnError = Literal["fail", "drop"]
+LOCAL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+# Every column is a plain string: tools/answers travel as JSON text (see _through_datasets).
+ROW_FEATURES = datasets.Features(
+    {k: datasets.Value("string") for k in ("query", "tools", "answers", "reasoning", "system", "source")}
+)
+
+
+@dataclass(frozen=True)
+class LoadedSource:
+    """Rows and issues of a source, plus what was read (for the data fingerprint)."""
+
+    rows: list[Row]
+    issues: list[DataIssue]
+    files: list[str]
+    digest: str  # sha256 over the raw bytes of every file, in order
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """Outcome of :func:`validate_source`."""
+
+    ok: bool
+    n_rows: int
+    n_files: int
+    issues: list[DataIssue] = field(default_factory=list)
+
+
+def resolve_files(source: str) -> list[str] | None:
+    """Local files named by ``source`` (file, directory of .jsonl, or glob), sorted.
+
+    Returns ``None`` when ``source`` is not local and should be read from the hub;
+    raises ``DataError`` when it is clearly local but matches nothing.
+    """
+    if os.path.isdir(source):
+        files = sorted(glob.glob(os.path.join(source, "*.jsonl")))
+        if not files:
+            raise DataError([DataIssue(source, 0, "directory holds no .jsonl files")])
+        return files
+    if os.path.isfile(source):
+        return [source]
+    if glob.has_magic(source):
+        files = sorted(p for p in glob.glob(source, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError([DataIssue(source, 0, "no files match this pattern")])
+        return files
+    if source.endswith(LOCAL_SUFFIXES) or source.startswith((".", "/", "~")):
+        raise DataError([DataIssue(source, 0, "no such file")])
+    return None
+
+
+def _decode_line(raw: bytes, lineno: int) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"line is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
+    return text.lstrip("\ufeff") if lineno == 1 else text
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"not valid JSON: {name} is not allowed")
+
+
+def _parse_line(text: str, source: str) -> Row:
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+    return parse_row(obj, source)
+
+
+def _read_file(path: str, hasher: Any) -> tuple[list[Row], list[DataIssue]]:
+    with open(path, "rb") as fh:
+        data = fh.read()
+    # Length-prefix each file so moving bytes across a file boundary changes the digest.
+    hasher.update(len(data).to_bytes(8, "little"))
+    hasher.update(data)
+    rows: list[Row] = []
+    issues: list[DataIssue] = []
+    n_nonblank = 0
+    for i, raw in enumerate(data.split(b"\n")):
+        lineno = i + 1
+        if not raw.strip():
+            continue
+        n_nonblank += 1
+        try:
+            text = _decode_line(raw.rstrip(b"\r"), lineno)
+            rows.append(_parse_line(text, f"{path}:{lineno}"))
+        except ValueError as exc:
+            issues.append(DataIssue(path, lineno, str(exc)))
+    if not data:
+        issues.append(DataIssue(path, 1, "file is empty"))
+    elif n_nonblank == 0:
+        issues.append(DataIssue(path, 1, "file has no rows (only blank lines)"))
+    return rows, issues
+
+
+def _strip_nulls(value: Any) -> Any:
+    # Arrow gives every struct in a column the union of all keys, filling the missing ones
+    # with null; dropping nulls restores the original objects (a genuine null argument is
+    # lost too: publish tools/answers as JSON strings to keep one).
+    if isinstance(value, dict):
+        return {k: _strip_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_nulls(v) for v in value]
+    return value
+
+
+def _read_hub(source: str, hasher: Any) -> tuple[list[Row], list[DataIssue]]:
+    try:
+        ds = datasets.load_dataset(source, split="train")
+    except Exception as exc:  # the hub raises many types; all mean "cannot read this source"
+        raise DataError([DataIssue(source, 0, f"cannot load from the Hugging Face hub: {exc}")]) from exc
+    rows: list[Row] = []
+    issues: list[DataIssue] = []
+    for i, rec in enumerate(ds):
+        obj = {k: (v if isinstance(v, str) else _strip_nulls(v)) for k, v in rec.items()}
+        try:
+            rows.append(parse_row(obj, f"{source}:{i + 1}"))
+        except ValueError as exc:
+            issues.append(DataIssue(source, i + 1, str(exc)))
+    for row in rows:
+        hasher.update(json.dumps(row_to_dict(row), sort_keys=True).encode("utf-8"))
+    if not rows and not issues:
+        issues.append(DataIssue(source, 1, "dataset is empty"))
+    return rows, issues
+
+
+def _through_datasets(rows: list[Row]) -> list[Row]:
+    """Round-trip validated rows through an HF ``datasets.Dataset``.
+
+    tools/answers are stored as JSON strings on purpose: arrow would otherwise unify the
+    nested dict keys across rows and add ``null`` keys to every tool's JSON schema and every
+    call's arguments, which changes what the model sees and breaks argument checks.
+    """
+    records = [
+        {
+            "query": r.query,
+            "tools": json.dumps(r.tools, ensure_ascii=False),
+            "answers": json.dumps(r.answers, ensure_ascii=False),
+            "reasoning": r.reasoning,
+            "system": r.system,
+            "source": r.source,
+        }
+        for r in rows
+    ]
+    ds = datasets.Dataset.from_list(records, features=ROW_FEATURES)
+    return [
+        Row(
+            query=rec["query"],
+            tools=json.loads(rec["tools"]),
+            answers=json.loads(rec["answers"]),
+            reasoning=rec["reasoning"],
+            system=rec["system"],
+            source=rec["source"],
+        )
+        for rec in ds
+    ]
+
+
+def _collect(source: str) -> LoadedSource:
+    hasher = hashlib.sha256()
+    files = resolve_files(source)
+    rows: list[Row] = []
+    issues: list[DataIssue] = []
+    if files is None:
+        rows, issues = _read_hub(source, hasher)
+        files = [source]
+    else:
+        for path in files:
+            file_rows, file_issues = _read_file(path, hasher)
+            rows += file_rows
+            issues += file_issues
+    return LoadedSource(rows, issues, files, hasher.hexdigest())
+
+
+def load_source(source: str, on_error: OnError = "fail") -> LoadedSource:
+    """Read, validate and apply the error policy; the loaded rows went through ``datasets``."""
+    if on_error not in ("fail", "drop"):
+        raise ValueError(f"on_error must be 'fail' or 'drop', got {on_error!r}")
+    loaded = _collect(source)
+    if loaded.issues and (on_error == "fail" or not loaded.rows):
+        raise DataError(loaded.issues)
+    return LoadedSource(_through_datasets(loaded.rows), loaded.issues, loaded.files, loaded.digest)
+
+
+def read_rows(source: str, on_error: OnError = "fail") -> tuple[list[Row], list[DataIssue]]:
+    """Rows of a JSONL path, glob, directory or hub id, and the issues of dropped rows.
+
+    ``fail``: raise ``DataError`` on any issue. ``drop``: return the good rows and the
+    issues; still raise when no good row is left.
+    """
+    loaded = load_source(source, on_error)
+    return loaded.rows, loaded.issues
+
+
+def validate_source(source: str) -> ValidationReport:
+    """Check every row of ``source`` without raising; see :func:`format_validation`."""
+    try:
+        loaded = _collect(source)
+    except DataError as exc:
+        return ValidationReport(False, 0, 0, exc.issues)
+    return ValidationReport(not loaded.issues, len(loaded.rows), len(loaded.files), loaded.issues)
+
+
+def format_validation(report: ValidationReport, limit: int = 20) -> str:
+    """One summary line when ok; otherwise the first ``limit`` issues and the total."""
+    if report.ok:
+        return f"ok: {report.n_rows} rows in {report.n_files} file(s)"
+    lines = [str(i) for i in report.issues[:limit]]
+    lines.append(f"... {len(report.issues)} bad rows in total ({report.n_rows} good rows in {report.n_files} file(s))")
+    return "\n".join(lines)

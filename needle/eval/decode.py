@@ -1,0 +1,231 @@
+"""Greedy decoding with the model's KV cache, in a small fixed set of compiled shapes.
+
+``generate(model, params, prompts, max_new_tokens=…, end_id=…, pad_id=…, batch_size=…)``
+returns the generated ids of each prompt, up to and excluding the first ``end_id``.
+
+How it stays fast and compiles few programs:
+
+- prompts are sorted by length and grouped into batches of ``batch_size`` (a smaller power of two
+  when there are fewer prompts), the last batch padded with dead rows;
+- each batch is right-padded to a power-of-two bucket ``P`` (``needle.data.batching.bucket_for``:
+  at least 16, at most the model's ``max_len``) and gets a cache of ``min(max_len, P +
+  max_new_tokens)`` slots, so there is one compiled program per (batch, bucket) pair;
+- one jitted call prefills the whole bucket (ragged rows read their logits at ``n_b - 1``, see
+  needle/model/transformer.py) and then runs a ``lax.while_loop`` of one-token cached steps that
+  stops as soon as every row has emitted ``end_id`` or used its token budget.
+
+A prompt longer than ``max_len - max_new_tokens`` cannot fit a full-length answer. By default
+(``overflow="error"``) ``generate`` raises ``ValueError`` naming it; ``overflow="shrink"`` keeps
+the prompt whole and lets that row generate only ``max_len - len(prompt)`` tokens (counted in
+``Generation.n_shrunk``). A prompt of ``max_len`` tokens or more is always an error (evaluation
+left-truncates those itself, with a count).
+``generate_uncached`` is the slow reference (a full forward pass per token) for the tests.
+
+    from needle.eval.decode import generate
+    out = generate(model, params, [tok.encode(prompt)], max_new_tokens=96,
+                   end_id=tok.end_id, pad_id=tok.pad_id, batch_size=32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from needle.data.batching import bucket_for
+from needle.model.transformer import Transformer, init_cache
+
+Overflow = Literal["error", "shrink"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Generated ids per prompt (``end_id`` excluded), whether each emitted ``end_id``, the
+    generated tokens summed over prompts (``end_id`` included), and how many prompts had their
+    token budget shrunk to fit ``max_len``."""
+
+    ids: list[list[int]]
+    finished: list[bool]
+    n_tokens: int
+    n_shrunk: int = 0
+
+
+def prompt_budget(model: Transformer, max_new_tokens: int) -> int:
+    """The longest prompt that leaves room for ``max_new_tokens`` in the model's context."""
+    budget = model.cfg.max_len - max_new_tokens
+    if budget < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in max_len={model.cfg.max_len}")
+    return budget
+
+
+def _check_prompts(model: Transformer, prompts: list[list[int]], max_new_tokens: int, overflow: Overflow) -> None:
+    if overflow not in ("error", "shrink"):
+        raise ValueError(f"overflow must be 'error' or 'shrink', got {overflow!r}")
+    budget = prompt_budget(model, max_new_tokens)
+    # "shrink" still needs room for one generated token.
+    limit = budget if overflow == "error" else model.cfg.max_len - 1
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) > limit:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_len={model.cfg.max_len} and "
+                f"max_new_tokens={max_new_tokens} at most {limit} fit (overflow={overflow!r}; "
+                "shorten the prompt or lower max_new_tokens)"
+            )
+
+
+@partial(jax.jit, static_argnames=("model", "max_new"))
+def _decode_batch(
+    model: Transformer,
+    params: Any,
+    cache: Any,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    limits: jax.Array,
+    end_id: jax.Array,
+    pad_id: jax.Array,
+    *,
+    max_new: int,
+) -> jax.Array:
+    """Prefill ``tokens[B, P]`` and decode greedily; return ``out[B, max_new]`` (pad after the end)."""
+    rows = tokens.shape[0]
+    logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    out = jnp.full((rows, max_new), pad_id, jnp.int32).at[:, 0].set(first)
+    # A row with limit 0 is batch padding; limit 1 has spent its budget on ``first``.
+    done = (first == end_id) | (limits <= 1)
+
+    def keep_going(state: tuple) -> jax.Array:
+        step, _, _, _, _, done = state
+        return (step < max_new) & ~jnp.all(done)
+
+    def one_step(state: tuple) -> tuple:
+        step, tok, pos, cache, out, done = state
+        logits, upd = model.apply(
+            {"params": params, "cache": cache}, tok[:, None], pos[:, None], decode=True, mutable=["cache"]
+        )
+        nxt = jnp.where(done, pad_id, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+        out = out.at[:, step].set(nxt)
+        return step + 1, nxt, pos + 1, upd["cache"], out, done | (nxt == end_id) | (step + 1 >= limits)
+
+    # Answer token k is fed at slot n_b + k, right after the prompt's last real slot.
+    state = (jnp.int32(1), first, lengths.astype(jnp.int32), upd["cache"], out, done)
+    return jax.lax.while_loop(keep_going, one_step, state)[4]
+
+
+def _cut_at_end(row: np.ndarray, end_id: int) -> tuple[list[int], bool, int]:
+    """(ids before end_id, whether end_id occurred, tokens generated including end_id)."""
+    hits = np.flatnonzero(row == end_id)
+    if hits.size:
+        k = int(hits[0])
+        return row[:k].tolist(), True, k + 1
+    return row.tolist(), False, int(row.size)
+
+
+def generate_detailed(
+    model: Transformer,
+    params: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    end_id: int,
+    pad_id: int,
+    batch_size: int,
+    overflow: Overflow = "error",
+) -> Generation:
+    """Like :func:`generate`, also saying which rows finished and how many tokens were made."""
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens}, {batch_size}")
+    _check_prompts(model, prompts, max_new_tokens, overflow)
+    max_len = model.cfg.max_len
+    rows = min(batch_size, 1 << max(0, len(prompts) - 1).bit_length())
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    ids: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    n_tokens = 0
+    for start in range(0, len(order), rows):
+        chunk = order[start : start + rows]
+        bucket = bucket_for(max(len(prompts[i]) for i in chunk), max_len)
+        tokens = np.full((rows, bucket), pad_id, np.int32)
+        lengths = np.ones((rows,), np.int32)
+        limits = np.zeros((rows,), np.int32)
+        for r, i in enumerate(chunk):
+            tokens[r, : len(prompts[i])] = prompts[i]
+            lengths[r] = len(prompts[i])
+            limits[r] = min(max_new_tokens, max_len - len(prompts[i]))
+        cache = init_cache(model, rows, min(max_len, bucket + max_new_tokens))
+        # end/pad ids are traced, not static: one compiled program serves every tokenizer.
+        out = _decode_batch(
+            model, params, cache, tokens, lengths, limits, np.int32(end_id), np.int32(pad_id), max_new=max_new_tokens
+        )
+        out = np.asarray(out)
+        for r, i in enumerate(chunk):
+            ids[i], finished[i], made = _cut_at_end(out[r, : limits[r]], end_id)
+            n_tokens += made
+    n_shrunk = sum(max_len - len(p) < max_new_tokens for p in prompts)
+    return Generation(ids, finished, n_tokens, n_shrunk)
+
+
+def generate(
+    model: Transformer,
+    params: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    end_id: int,
+    pad_id: int,
+    batch_size: int,
+    overflow: Overflow = "error",
+) -> list[list[int]]:
+    """Greedy continuation of each prompt, up to and excluding ``end_id`` (see the module doc)."""
+    return generate_detailed(
+        model,
+        params,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        end_id=end_id,
+        pad_id=pad_id,
+        batch_size=batch_size,
+        overflow=overflow,
+    ).ids
+
+
+@partial(jax.jit, static_argnames="model")
+def _forward(model: Transformer, params: Any, tokens: jax.Array) -> jax.Array:
+    return model.apply({"params": params}, tokens)
+
+
+def generate_uncached(
+    model: Transformer,
+    params: Any,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    end_id: int,
+    pad_id: int,
+    overflow: Overflow = "error",
+) -> list[list[int]]:
+    """Reference greedy decoding: one full causal forward pass over the whole prefix per token."""
+    _check_prompts(model, prompts, max_new_tokens, overflow)
+    max_len = model.cfg.max_len
+    results = []
+    for prompt in prompts:
+        # Right padding never reaches earlier positions under causal attention.
+        seq = np.full((1, max_len), pad_id, np.int32)
+        seq[0, : len(prompt)] = prompt
+        n, made = len(prompt), []
+        for _ in range(min(max_new_tokens, max_len - n)):
+            nxt = int(np.argmax(np.asarray(_forward(model, params, seq))[0, n - 1]))
+            if nxt == end_id:
+                break
+            made.append(nxt)
+            seq[0, n] = nxt
+            n += 1
+        results.append(made)
+    return results

@@ -1,0 +1,184 @@
+"""Evaluate an exported model on rows: render → decode → parse → score, plus teacher-forced loss.
+
+``evaluate_model(model, split, cfg)`` takes an exported model directory (or a ``LoadedModel``)
+and a split: a prepared ``datasets.Dataset`` (needle.data.prepare columns) or a list of ``Row``
+(or raw row dicts, validated with ``parse_row``). It greedily decodes every prompt with the KV
+cache (needle/eval/decode.py), parses the emitted calls and scores them (needle/eval/metrics.py).
+When the split carries ``ids``/``loss_mask`` it also reports ``val_loss`` (mean masked token
+cross-entropy of the target tokens) and ``perplexity``; otherwise those two keys are None.
+
+Besides :data:`needle.eval.metrics.METRIC_KEYS`, ``metrics`` always holds ``val_loss``,
+``perplexity``, ``n_prompts_truncated`` (prompts of ``max_len`` tokens or more, left-truncated
+to leave ``max_new_tokens`` of room), ``n_budget_shrunk`` (prompts longer than ``max_len -
+max_new_tokens``, kept whole but given only the remaining context to answer in) and
+``n_unfinished`` (rows that ran out of tokens without ``<|end|>``).
+
+    from needle.config import EvalConfig
+    from needle.eval.evaluate import evaluate_model
+    result = evaluate_model("runs/tuned/model", data.splits["test"], EvalConfig(max_rows=200))
+    result.metrics["exact_match"], result.rows_per_s
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import datasets
+import jax
+import jax.numpy as jnp
+import optax
+
+from needle.config import EvalConfig
+from needle.data.batching import BatchPlan
+from needle.data.render import compact_json, render_prompt
+from needle.data.schema import Row, parse_row, split_source
+from needle.errors import DataError, DataIssue
+from needle.eval.decode import generate_detailed, prompt_budget
+from needle.eval.metrics import score_predictions
+from needle.eval.parse import parse_calls
+from needle.hardware import BackendSettings
+from needle.model.io import LoadedModel, load_model
+from needle.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Aggregate metrics, one dict per evaluated row, and timing.
+
+    ``wall_s`` covers the whole call (loading, compiling, decoding, loss); ``tokens_per_s`` and
+    ``rows_per_s`` are over the decode alone (compilation included: it is part of every eval).
+    """
+
+    metrics: dict[str, Any]
+    examples: list[dict[str, Any]]
+    wall_s: float
+    tokens_per_s: float
+    rows_per_s: float
+
+
+def resolve_model(model: str | Path | LoadedModel) -> LoadedModel:
+    """A ``LoadedModel`` as is, or the exported model read from a directory."""
+    return model if isinstance(model, LoadedModel) else load_model(model)
+
+
+def rows_of(split: datasets.Dataset | Sequence[Row | Mapping[str, Any]], max_rows: int | None = None) -> list[Row]:
+    """The split's rows as validated ``Row`` objects (at most ``max_rows``); bad rows → DataError."""
+    rows: list[Row] = []
+    issues: list[DataIssue] = []
+    for i, record in enumerate(split):
+        if max_rows is not None and i >= max_rows:
+            break
+        if isinstance(record, Row):
+            rows.append(record)
+            continue
+        source = str(record.get("source") or f"split:{i}")
+        try:
+            rows.append(parse_row(dict(record), source))
+        except ValueError as exc:
+            issues.append(DataIssue(*split_source(source), str(exc)))
+    if issues:
+        raise DataError(issues)
+    return rows
+
+
+@partial(jax.jit, static_argnames="model")
+def _loss_sum(model: Transformer, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    logits = model.apply({"params": params}, batch["inputs"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def compute_val_loss(model: Transformer, params: Any, split: datasets.Dataset, batch_size: int, pad_id: int) -> float | None:
+    """Mean masked cross-entropy over the split's target tokens (None when it has none)."""
+    plan = BatchPlan(split, batch_size=batch_size, max_len=model.cfg.max_len, seed=0, pad_id=pad_id)
+    total, tokens = 0.0, 0.0
+    for batch in plan.eval_batches():
+        loss, count = _loss_sum(model, params, {k: batch[k] for k in ("inputs", "targets", "mask")})
+        total, tokens = total + float(loss), tokens + float(count)
+    return total / tokens if tokens else None
+
+
+def fit_prompts(prompts: list[list[int]], model: Transformer, max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """Left-truncate prompts that fill the whole context to leave ``max_new_tokens`` of room.
+
+    Shorter prompts stay whole (the decoder shrinks their budget instead); returns the prompts
+    and how many were cut, which the metrics report.
+    """
+    budget = prompt_budget(model, max_new_tokens)
+    too_long = [len(p) >= model.cfg.max_len for p in prompts]
+    return [p[-budget:] if cut else p for p, cut in zip(prompts, too_long)], sum(too_long)
+
+
+def _example_row(row: Row, parsed: Any, text: str, finished: bool, flags: dict[str, Any]) -> dict[str, Any]:
+    predicted = compact_json(parsed.calls) if parsed.ok else text
+    return {
+        "source": row.source,
+        "query": row.query,
+        "expected": compact_json(row.answers),
+        "predicted": predicted,
+        "parse_error": parsed.error,
+        "reasoning": parsed.reasoning,
+        "finished": finished,
+        **flags,
+    }
+
+
+def evaluate_model(
+    model_dir_or_loaded: str | Path | LoadedModel,
+    split: datasets.Dataset | Sequence[Row | Mapping[str, Any]],
+    cfg: EvalConfig,
+    *,
+    settings: BackendSettings | None = None,
+) -> EvalResult:
+    """Decode, parse and score every row of ``split`` (see the module doc)."""
+    started = time.perf_counter()
+    loaded = resolve_model(model_dir_or_loaded)
+    tok = loaded.tokenizer
+    model = Transformer(loaded.model_cfg, settings=settings)
+    rows = rows_of(split, cfg.max_rows)
+    prompts, n_cut = fit_prompts(tok.encode_batch([render_prompt(r) for r in rows]), model, cfg.max_new_tokens)
+    start = time.perf_counter()
+    gen = generate_detailed(
+        model,
+        loaded.params,
+        prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        end_id=tok.end_id,
+        pad_id=tok.pad_id,
+        batch_size=cfg.batch_size,
+        overflow="shrink",
+    )
+    decode_s = time.perf_counter() - start
+    texts = [tok.decode(ids) for ids in gen.ids]
+    parsed = [parse_calls(t) for t in texts]
+    scored = score_predictions(
+        [{"tools": r.tools, "expected": r.answers, "predicted": p.calls} for r, p in zip(rows, parsed)]
+    )
+    flags = scored.pop("per_example")
+    examples = [_example_row(*args) for args in zip(rows, parsed, texts, gen.finished, flags)]
+    val_loss = None
+    if isinstance(split, datasets.Dataset) and {"ids", "loss_mask"} <= set(split.column_names):
+        subset = split.select(range(len(rows))) if cfg.max_rows else split
+        val_loss = compute_val_loss(model, loaded.params, subset, cfg.batch_size, tok.pad_id)
+    metrics = {
+        **scored,
+        "val_loss": val_loss,
+        "perplexity": math.exp(min(val_loss, 700.0)) if val_loss is not None else None,
+        "n_prompts_truncated": n_cut,
+        "n_budget_shrunk": gen.n_shrunk,
+        "n_unfinished": sum(not f for f in gen.finished),
+    }
+    return EvalResult(
+        metrics=metrics,
+        examples=examples,
+        wall_s=time.perf_counter() - started,
+        tokens_per_s=gen.n_tokens / decode_s if decode_s > 0 else 0.0,
+        rows_per_s=len(rows) / decode_s if decode_s > 0 else 0.0,
+    )
+

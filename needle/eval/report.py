@@ -1,0 +1,102 @@
+"""Write an evaluation to disk and compare two of them.
+
+``write_report(result, out_dir)`` writes ``metrics.json`` (the metrics plus timing),
+``examples.jsonl`` (one object per row) and ``examples.csv`` (the same, flags as columns).
+``compare(before, after)`` lines up the numeric metrics of a base and a tuned model, and
+``format_table`` renders either a metrics dict or a comparison as a plain pipe table that reads
+well in a terminal and pastes into a Markdown README.
+
+    from needle.eval.report import compare, format_table
+    print(format_table(compare(base_result, tuned_result)))
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from needle.eval.evaluate import EvalResult
+
+TIMING_KEYS = ("wall_s", "tokens_per_s", "rows_per_s")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def summary_of(result: EvalResult) -> dict[str, Any]:
+    """The metrics of ``result`` with its timing, as one flat JSON-ready dict."""
+    return {**result.metrics, **{k: getattr(result, k) for k in TIMING_KEYS}}
+
+
+def write_report(result: EvalResult, out_dir: str | Path) -> dict[str, Path]:
+    """Write metrics.json, examples.jsonl and examples.csv under ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"metrics": out / "metrics.json", "examples_jsonl": out / "examples.jsonl", "examples_csv": out / "examples.csv"}
+    paths["metrics"].write_text(json.dumps(summary_of(result), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    with paths["examples_jsonl"].open("w", encoding="utf-8") as f:
+        for ex in result.examples:
+            f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+    columns: list[str] = []
+    for ex in result.examples:
+        columns.extend(k for k in ex if k not in columns)
+    with paths["examples_csv"].open("w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for ex in result.examples:
+            # Nested values (lists, dicts) go in as compact JSON so the CSV stays one row per example.
+            writer.writerow({k: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v) for k, v in ex.items()})
+    return paths
+
+
+def compare(before: EvalResult, after: EvalResult) -> dict[str, dict[str, Any]]:
+    """``{metric: {"base", "tuned", "delta"}}`` for every numeric metric either result has.
+
+    ``delta`` is tuned - base, or None when either side is missing or None.
+    """
+    base, tuned = summary_of(before), summary_of(after)
+    table: dict[str, dict[str, Any]] = {}
+    for key in [*base, *(k for k in tuned if k not in base)]:
+        b, t = base.get(key), tuned.get(key)
+        if not all(_is_number(v) or v is None for v in (b, t)):
+            continue  # text or nested values are not metrics to compare
+        delta = t - b if _is_number(b) and _is_number(t) else None
+        table[key] = {"base": b, "tuned": t, "delta": delta}
+    return table
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(table: Mapping[str, Any], *, columns: Sequence[str] | None = None) -> str:
+    """A pipe table: ``metric | value`` for a flat dict, ``metric | <columns>`` for a comparison."""
+    nested = any(isinstance(v, Mapping) for v in table.values())
+    if nested:
+        cols = list(columns or next(v for v in table.values() if isinstance(v, Mapping)).keys())
+        rows = [[key, *(_cell(v.get(c)) for c in cols)] for key, v in table.items() if isinstance(v, Mapping)]
+    else:
+        cols = ["value"]
+        rows = [[key, _cell(v)] for key, v in table.items() if not isinstance(v, (list, dict))]
+    header = ["metric", *cols]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:]))
+        return "| " + " | ".join([first, *rest]) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])

@@ -1,0 +1,154 @@
+"""The exported model directory: merged params (orbax) + config + tokenizer + metadata.
+
+Layout of ``model_dir``::
+
+    params/          orbax StandardCheckpointer tree, base layout (no LoRA leaves), float32
+    config.json      ModelConfig.model_dump()
+    tokenizer.json   needle.tokenizer.Tokenizer.save(model_dir)
+    meta.json        free-form JSON metadata (run id, data fingerprint, metrics, ...)
+
+Everything is written into a hidden sibling temp directory that is renamed into place only when
+complete, so a crash never leaves a half-written model at ``model_dir``. Eval, predict and the
+registry read it back with :func:`load_model`; a LoRA-free ``Transformer(cfg)`` applies the params.
+
+    save_model("out/model", merge_lora(params, lora), cfg, tokenizer, {"run_id": "..."})
+    loaded = load_model("out/model")
+    logits = Transformer(loaded.model_cfg).apply({"params": loaded.params}, tokens)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+from needle.config import ModelConfig
+from needle.errors import CheckpointMismatchError
+from needle.model.lora import LORA_LEAVES, Params
+from needle.model.transformer import Transformer
+
+PARAMS_DIR = "params"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "meta.json"
+REQUIRED = (PARAMS_DIR, CONFIG_FILE, TOKENIZER_FILE, META_FILE)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """An exported model read back: params (jax arrays), its config, tokenizer and metadata."""
+
+    params: Params
+    model_cfg: ModelConfig
+    tokenizer: Any
+    meta: dict[str, Any]
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """Shapes and dtypes of a LoRA-free model's params, without computing any."""
+    model = Transformer(cfg)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+
+
+def _check_layout(params: Params, cfg: ModelConfig) -> None:
+    flat = traverse_util.flatten_dict(params)
+    lora = sorted("/".join(k) for k in flat if k[-1] in LORA_LEAVES)
+    if lora:
+        raise ValueError(f"save_model: params still hold LoRA leaves (merge_lora first), e.g. {lora[:3]}")
+    want = traverse_util.flatten_dict(abstract_params(cfg))
+    problems = [f"missing {'/'.join(k)}" for k in sorted(want.keys() - flat.keys())]
+    problems += [f"unexpected {'/'.join(k)}" for k in sorted(flat.keys() - want.keys())]
+    problems += [
+        f"{'/'.join(k)}: shape {tuple(flat[k].shape)} != {want[k].shape}"
+        for k in sorted(want.keys() & flat.keys())
+        if tuple(flat[k].shape) != want[k].shape
+    ]
+    if problems:
+        raise CheckpointMismatchError("save_model: params do not match the model config:\n  " + "\n  ".join(problems))
+
+
+def _swap_in(staged: Path, target: Path) -> None:
+    """Rename ``staged`` to ``target``; an existing model is moved aside first, then deleted."""
+    if not target.exists():
+        os.replace(staged, target)
+        return
+    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(target, old)
+    os.replace(staged, target)
+    shutil.rmtree(old)
+
+
+def save_model(
+    model_dir: str | Path, params: Params, model_cfg: ModelConfig, tokenizer: Any, meta: dict[str, Any]
+) -> Path:
+    """Write an exported model to ``model_dir`` atomically (replacing any previous one); return it."""
+    target = Path(model_dir).absolute()
+    _check_layout(params, model_cfg)
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is not None and vocab > model_cfg.vocab_size:
+        raise ValueError(f"save_model: tokenizer has {vocab} tokens but the model only {model_cfg.vocab_size}")
+    try:
+        meta_text = json.dumps(meta, indent=2, sort_keys=True)
+    except TypeError as e:
+        raise ValueError(f"save_model: meta is not JSON-serialisable: {e}") from e
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(staged / PARAMS_DIR, params)
+            ckptr.wait_until_finished()
+        (staged / CONFIG_FILE).write_text(json.dumps(model_cfg.model_dump(mode="json"), indent=2), encoding="utf-8")
+        (staged / META_FILE).write_text(meta_text, encoding="utf-8")
+        tokenizer.save(staged)
+        if not (staged / TOKENIZER_FILE).is_file():
+            raise ValueError(f"save_model: tokenizer.save() did not write {TOKENIZER_FILE}")
+        _swap_in(staged, target)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return target
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+
+
+def load_model(model_dir: str | Path) -> LoadedModel:
+    """Read an exported model; params come back as jax arrays on the default device."""
+    from needle.tokenizer import Tokenizer  # lazy: keeps `tokenizers` out of model imports
+
+    root = Path(model_dir).absolute()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no exported model directory here")
+    missing = [name for name in REQUIRED if not (root / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{root}: incomplete exported model, missing {', '.join(missing)}")
+    try:
+        cfg = ModelConfig.model_validate(_read_json(root / CONFIG_FILE))
+    except ValueError as e:
+        raise ValueError(f"{root / CONFIG_FILE}: invalid model config: {e}") from e
+    meta = _read_json(root / META_FILE)
+    # Pin every leaf to this process's default device: the saved sharding may name devices
+    # (a GPU) that do not exist where the model is loaded.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_params(cfg))
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            params = ckptr.restore(root / PARAMS_DIR, target)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointMismatchError(f"{root / PARAMS_DIR}: params do not match {CONFIG_FILE}: {e}") from e
+    return LoadedModel(params=params, model_cfg=cfg, tokenizer=Tokenizer.load(root), meta=meta)

@@ -1,0 +1,202 @@
+"""One optimizer step, pure and jit-able: train state, optimizer, loss, grads, metrics.
+
+``train_step(state, batch)`` is a module-level pure function (the loop jits it once with the
+state donated). The loss is the masked token cross-entropy in float32, token-weighted so that
+gradient accumulation over micro-batches gives the same loss and gradient as one big batch.
+Only ``state.trainable`` receives gradients; ``state.frozen`` (a LoRA base) is closed over.
+
+    from needle.train.step import create_state, train_step
+    state = create_state(apply_fn, trainable, frozen, optim_cfg, total_steps=100)
+    state, metrics = jax.jit(train_step, donate_argnums=0)(state, batch)
+
+``apply_fn(trainable, frozen, inputs) -> float32 logits [B, T, V]``;
+``batch = {"inputs": int32[B, T], "targets": int32[B, T], "mask": float32[B, T]}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from needle.config import OptimConfig
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, PyTree, jax.Array], jax.Array]
+Batch = dict[str, jax.Array]
+
+# Parameter names (any path component containing one of these) that get no weight decay:
+# decaying norm gains or embedding rows pulls them towards zero for no regularisation benefit.
+_NO_DECAY_NAMES = ("norm", "embed", "scale", "bias")
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step reads and writes; the static fields are part of the jit cache key."""
+
+    step: jax.Array  # int32 scalar: optimizer steps taken (also the BatchPlan position)
+    trainable: PyTree
+    frozen: PyTree
+    opt_state: optax.OptState
+    rng: jax.Array  # raw uint32[2] key (orbax-serialisable), folded with the step for any sampling
+    # Static fields compare by value (a hashable apply_fn, an Optimizer described by its config),
+    # so equal configs reuse the compiled step, e.g. after a resume in the same process.
+    apply_fn: ApplyFn = struct.field(pytree_node=False)
+    tx: "Optimizer" = struct.field(pytree_node=False)
+    # Static so the micro-batch reshape has a known shape under jit.
+    grad_accum: int = struct.field(pytree_node=False, default=1)
+
+
+def make_schedule(optim: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to ``optim.lr`` then cosine decay to ``min_lr_ratio * lr`` at ``total_steps``."""
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    warmup = min(optim.warmup_steps, total_steps - 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else optim.lr,
+        peak_value=optim.lr,
+        warmup_steps=warmup,
+        # optax counts decay_steps from 0 including the warmup; keep the cosine part non-empty.
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=optim.lr * optim.min_lr_ratio,
+    )
+
+
+def decay_mask(params: PyTree) -> PyTree:
+    """True for weight matrices that get weight decay; False for norms, embeddings, vectors."""
+
+    def wants_decay(path: tuple[Any, ...], leaf: jax.Array) -> bool:
+        names = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path).lower()
+        return leaf.ndim >= 2 and not any(n in names for n in _NO_DECAY_NAMES)
+
+    return jax.tree_util.tree_map_with_path(wants_decay, params)
+
+
+def make_optimizer(optim: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on the warmup-cosine schedule (decay masked off norms)."""
+    return optax.chain(
+        optax.clip_by_global_norm(optim.clip_norm),
+        optax.adamw(
+            learning_rate=make_schedule(optim, total_steps),
+            b1=optim.b1,
+            b2=optim.b2,
+            weight_decay=optim.weight_decay,
+            mask=decay_mask,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """``make_optimizer(optim, total_steps)`` as a value: an optax transformation with equality."""
+
+    optim: OptimConfig
+    total_steps: int
+
+    def transformation(self) -> optax.GradientTransformation:
+        return make_optimizer(self.optim, self.total_steps)
+
+    def schedule(self, step: jax.Array) -> jax.Array:
+        return make_schedule(self.optim, self.total_steps)(step)
+
+    def init(self, params: PyTree) -> optax.OptState:
+        return self.transformation().init(params)
+
+    def update(self, grads: PyTree, opt_state: optax.OptState, params: PyTree) -> tuple[PyTree, optax.OptState]:
+        return self.transformation().update(grads, opt_state, params)
+
+
+def create_state(
+    apply_fn: ApplyFn,
+    trainable: PyTree,
+    frozen: PyTree,
+    optim: OptimConfig,
+    total_steps: int,
+    *,
+    grad_accum: int = 1,
+    seed: int = 0,
+) -> TrainState:
+    """Build the initial state: step 0, fresh optimizer moments, a seeded RNG."""
+    if grad_accum <= 0:
+        raise ValueError(f"grad_accum must be positive, got {grad_accum}")
+    tx = Optimizer(optim, total_steps)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        trainable=trainable,
+        frozen=frozen,
+        opt_state=tx.init(trainable),
+        rng=jax.random.PRNGKey(seed),
+        apply_fn=apply_fn,
+        tx=tx,
+        grad_accum=grad_accum,
+    )
+
+
+def _loss_sum(apply_fn: ApplyFn, trainable: PyTree, frozen: PyTree, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Sum of masked token cross-entropies (float32) and the number of loss tokens."""
+    logits = apply_fn(trainable, frozen, batch["inputs"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def _split_micro(x: jax.Array, accum: int) -> jax.Array:
+    """[B, ...] -> [accum, B/accum, ...], micro-batch a = rows a, a+accum, ...
+
+    Interleaving (rather than contiguous blocks) keeps every micro-batch spread evenly over the
+    data-parallel shards of the leading axis, so no rows move between devices.
+    """
+    b = x.shape[0]
+    if b % accum:
+        raise ValueError(f"batch of {b} rows is not divisible by grad_accum={accum}")
+    return jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)
+
+
+def _sum_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array, PyTree]:
+    """Loss sum, token count and gradient of the loss sum, accumulated over micro-batches."""
+    grad_fn = jax.value_and_grad(
+        lambda tr, fr, b: _loss_sum(state.apply_fn, tr, fr, b), argnums=0, has_aux=True
+    )
+    frozen = jax.lax.stop_gradient(state.frozen)
+    if state.grad_accum == 1 and batch["inputs"].ndim == 2:
+        (loss_sum, tokens), grads = grad_fn(state.trainable, frozen, batch)
+        return loss_sum, tokens, grads
+    # A batch may already carry a leading micro-batch axis [A, B/A, T]; else split [B, T].
+    micro = batch if batch["inputs"].ndim == 3 else {k: _split_micro(v, state.grad_accum) for k, v in batch.items()}
+
+    def accumulate(carry: tuple[jax.Array, jax.Array, PyTree], mb: Batch):
+        loss_acc, tok_acc, grad_acc = carry
+        (loss_sum, tokens), grads = grad_fn(state.trainable, frozen, mb)
+        return (loss_acc + loss_sum, tok_acc + tokens, jax.tree.map(jnp.add, grad_acc, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.trainable)
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+    (loss_sum, tokens, grads), _ = jax.lax.scan(accumulate, init, micro)
+    return loss_sum, tokens, grads
+
+
+def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a batch; returns the new state and device-side metrics."""
+    loss_sum, tokens, grads = _sum_grads(state, batch)
+    # A batch of only padding has no loss tokens: a zero gradient instead of 0/0 NaNs.
+    denom = jnp.maximum(tokens, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.trainable)
+    trainable = optax.apply_updates(state.trainable, updates)
+    metrics = {
+        "loss": loss_sum / denom,
+        "grad_norm": optax.global_norm(grads),
+        "lr": jnp.asarray(state.tx.schedule(state.step), jnp.float32),
+        "tokens": tokens,
+    }
+    new_state = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state)
+    return new_state, metrics
+
+
+def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    """Masked loss sum and token count on one batch (sum over batches, then divide)."""
+    loss_sum, tokens = _loss_sum(state.apply_fn, state.trainable, state.frozen, batch)
+    return {"loss_sum": loss_sum, "tokens": tokens}

@@ -1,0 +1,45 @@
+"""Shared fixtures: a small generated dataset, a copy with one bad row, and flow parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BAD_LINE = 3
+
+
+@pytest.fixture(scope="session")
+def sample_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A few rows of the synthetic base and new-tool datasets (tiny models train in seconds)."""
+    from needle.data.sample import write_sample
+
+    return write_sample(tmp_path_factory.mktemp("sample"), seed=0, n_base=96, n_new=64)
+
+
+@pytest.fixture(scope="session")
+def bad_data(sample_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The new-tool rows with line BAD_LINE replaced by something that is not JSON."""
+    lines = sample_data["new"].read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[BAD_LINE - 1] = '{"query": "broken row", "tools": [\n'
+    path = tmp_path_factory.mktemp("bad") / "bad.jsonl"
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_flow_params(sample_data: dict[str, Path]) -> dict[str, Any]:
+    """FinetuneParams for a run that takes seconds: tiny preset, a few steps, a few eval rows."""
+    return {
+        "data": str(sample_data["new"]),
+        "base_model": "auto",
+        "base_data": str(sample_data["base"]),
+        "base_steps": 4,
+        "preset": "tiny",
+        "steps": 4,
+        "batch_size": 8,
+        "max_len": 128,
+        "train": {"log_every": 1, "checkpoint_every": 2},
+        "eval": {"max_rows": 4, "batch_size": 4, "max_new_tokens": 8},
+    }

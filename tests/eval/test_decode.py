@@ -1,0 +1,74 @@
+"""Cached greedy decoding equals the uncached reference, and its edge cases."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from needle.config import model_preset
+from needle.eval.decode import generate, generate_detailed, generate_uncached
+from needle.model.transformer import Transformer
+
+END, PAD, NEW = 2, 0, 8
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Transformer, dict]:
+    model = Transformer(model_preset("tiny", max_len=48))
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    return model, params
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(9, 512, size=n).tolist() for n in lengths]
+
+
+def _both(model: Transformer, params: dict, prompts: list[list[int]], **kw: object) -> tuple[list, list]:
+    kw = {"max_new_tokens": NEW, "end_id": END, "pad_id": PAD, **kw}
+    return generate(model, params, prompts, batch_size=2, **kw), generate_uncached(model, params, prompts, **kw)
+
+
+def test_cached_equals_uncached_on_ragged_batches(tiny: tuple[Transformer, dict]) -> None:
+    model, params = tiny
+    # 5 prompts, batch 2: three batches (the last with a dead row), buckets 16 and 32.
+    prompts = _prompts([3, 17, 9, 30, 1])
+    cached, reference = _both(model, params, prompts)
+    assert cached == reference
+    assert all(len(ids) == NEW for ids in cached)  # a random model never says <|end|> here
+
+
+def test_stops_at_end_token_and_excludes_it(tiny: tuple[Transformer, dict]) -> None:
+    model, params = tiny
+    prompts = _prompts([5, 12], seed=1)
+    free = generate(model, params, prompts, max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2)
+    # Declare the token row 0 emits third to be the end token: row 0 must stop before it.
+    stop = free[0][2]
+    out = generate_detailed(model, params, prompts, max_new_tokens=NEW, end_id=stop, pad_id=PAD, batch_size=2)
+    assert out.ids[0] == free[0][: free[0].index(stop)]
+    assert out.finished[0] is True
+    assert out.n_tokens == len(out.ids[0]) + 1 + len(out.ids[1]) + out.finished[1]
+    assert out.ids == _both(model, params, prompts, end_id=stop)[1]
+
+
+def test_long_prompts_are_refused_or_given_a_smaller_budget(tiny: tuple[Transformer, dict]) -> None:
+    model, params = tiny
+    prompts = _prompts([44, 4])  # 44 > 48 - 8: only 4 tokens of room
+    with pytest.raises(ValueError, match="prompt 0 has 44 tokens"):
+        generate(model, params, prompts, max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2)
+    out = generate_detailed(
+        model, params, prompts, max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2, overflow="shrink"
+    )
+    assert [len(x) for x in out.ids] == [4, NEW] and out.n_shrunk == 1 and out.finished == [False, False]
+    assert out.ids == _both(model, params, prompts, overflow="shrink")[1]
+    with pytest.raises(ValueError, match="prompt 0 has 48 tokens"):
+        generate(model, params, _prompts([48]), max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2, overflow="shrink")
+
+
+def test_empty_prompt_list_and_empty_prompt(tiny: tuple[Transformer, dict]) -> None:
+    model, params = tiny
+    assert generate(model, params, [], max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2) == []
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate(model, params, [[]], max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2)

@@ -1,0 +1,119 @@
+"""Transformer forward pass: shapes, causality, GQA semantics, KV-cache decoding, dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from needle.hardware import settings_for
+from needle.model.lora import init_params
+from needle.model.transformer import Transformer, init_cache
+
+
+def test_forward_shapes_names_and_finite(cfg, base_params, make_tokens, logits_of):
+    tokens = make_tokens((2, 12))
+    logits = logits_of(Transformer(cfg), base_params, tokens)
+    assert logits.shape == (2, 12, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    top = set(base_params)
+    assert top == {"embed", "final_norm"} | {f"block_{i}" for i in range(cfg.n_layers)}
+    names = {"/".join(k[1:]) for k in traverse_util.flatten_dict(base_params) if k[0] == "block_0"}
+    projs = ["attn/q_proj", "attn/k_proj", "attn/v_proj", "attn/o_proj", "mlp/gate_proj", "mlp/up_proj"]
+    assert names == {f"{p}/kernel" for p in projs + ["mlp/down_proj"]} | {"attn_norm/scale", "mlp_norm/scale"}
+
+
+def test_untied_output_head(cfg, make_tokens, logits_of):
+    untied = cfg.model_copy(update={"tie_embeddings": False})
+    params = init_params(untied, None, 0)
+    assert params["lm_head"]["kernel"].shape == (cfg.d_model, cfg.vocab_size)
+    logits = logits_of(Transformer(untied), params, make_tokens((1, 4)))
+    assert logits.shape == (1, 4, cfg.vocab_size)
+
+
+def test_causality(cfg, base_params, make_tokens, logits_of):
+    model = Transformer(cfg)
+    tokens = make_tokens((2, 10))
+    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % cfg.vocab_size)
+    a = logits_of(model, base_params, tokens)
+    b = logits_of(model, base_params, changed)
+    np.testing.assert_array_equal(np.asarray(a[:, :6]), np.asarray(b[:, :6]))
+    assert float(jnp.max(jnp.abs(a[:, 6:] - b[:, 6:]))) > 1e-3
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads(cfg, base_params, make_tokens, logits_of):
+    """Query head n reads kv head n // (n_heads / n_kv_heads): same as MHA with copied kv heads."""
+    assert cfg.n_kv_heads < cfg.n_heads
+    mha_cfg = cfg.model_copy(update={"n_kv_heads": cfg.n_heads})
+    group = cfg.n_heads // cfg.n_kv_heads
+    flat = traverse_util.flatten_dict(base_params)
+    for key in list(flat):
+        if key[-2] in ("k_proj", "v_proj"):
+            w = flat[key].reshape(cfg.d_model, cfg.n_kv_heads, cfg.head_dim)
+            flat[key] = jnp.repeat(w, group, axis=1).reshape(cfg.d_model, cfg.n_heads * cfg.head_dim)
+    tokens = make_tokens((2, 9))
+    gqa = logits_of(Transformer(cfg), base_params, tokens)
+    mha = logits_of(Transformer(mha_cfg), traverse_util.unflatten_dict(flat), tokens)
+    np.testing.assert_allclose(np.asarray(gqa), np.asarray(mha), atol=1e-5)
+
+
+def test_cached_decoding_matches_full_forward(cfg, base_params, make_tokens, logits_of):
+    model = Transformer(cfg)
+    lengths, bucket, steps, max_len = [3, 8, 5], 8, 6, 16
+    full_tokens = make_tokens((3, max_len), seed=1)
+    full = logits_of(model, base_params, full_tokens)
+
+    # Ragged prompts, right-padded with garbage that must never leak into later logits.
+    prompts = np.array(full_tokens[:, :bucket])
+    for row, n in enumerate(lengths):
+        prompts[row, n:] = 7
+    apply = jax.jit(lambda c, t, p: model.apply({"params": base_params, "cache": c}, t, p, decode=True, mutable=["cache"]))
+    cache = init_cache(model, 3, max_len)
+    positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (3, bucket))
+    logits, upd = apply(cache, jnp.asarray(prompts), positions)
+    rows = np.arange(3)
+    last = np.array(lengths) - 1
+    np.testing.assert_allclose(np.asarray(logits[rows, last]), np.asarray(full[rows, last]), atol=1e-4)
+
+    cache = upd["cache"]
+    for i in range(steps):
+        pos = np.array(lengths) + i
+        step_tokens = full_tokens[rows, pos][:, None]
+        logits, upd = apply(cache, step_tokens, jnp.asarray(pos[:, None], jnp.int32))
+        cache = upd["cache"]
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[rows, pos]), atol=1e-4)
+
+
+def test_init_cache_matches_model_init_layout(cfg):
+    model = Transformer(cfg)
+    cache = init_cache(model, 2, 16)
+    via_init = model.init(jax.random.key(1), jnp.zeros((2, 16), jnp.int32), decode=True)["cache"]
+    assert jax.tree.structure(cache) == jax.tree.structure(via_init)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(via_init), strict=True):
+        assert a.shape == b.shape == (2, 16, cfg.n_kv_heads, cfg.head_dim)
+        assert not np.any(np.asarray(a)) and not np.any(np.asarray(b))
+
+
+def test_bfloat16_compute_is_finite_and_close(cfg, base_params, make_tokens, logits_of):
+    tokens = make_tokens((2, 16))
+    ref = logits_of(Transformer(cfg), base_params, tokens)
+    gpu = settings_for("gpu")
+    assert gpu.compute_dtype == "bfloat16"
+    out = logits_of(Transformer(cfg, settings=gpu), base_params, tokens)
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+    err = float(jnp.max(jnp.abs(out - ref)))
+    assert 0 < err < 0.1 * float(jnp.max(jnp.abs(ref))), err
+
+
+def test_remat_gives_same_logits_and_scan_is_refused(cfg, base_params, make_tokens, logits_of):
+    tokens = make_tokens((1, 8))
+    cpu = settings_for("cpu")
+    ref = logits_of(Transformer(cfg, settings=cpu), base_params, tokens)
+    remat = logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, remat=True)), base_params, tokens)
+    np.testing.assert_allclose(np.asarray(remat), np.asarray(ref), atol=1e-6)
+    with pytest.raises(ValueError, match="scan_layers"):
+        logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, scan_layers=True)), base_params, tokens)

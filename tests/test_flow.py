@@ -1,0 +1,81 @@
+"""The `needle` flow in-process (Prefect test harness, SQLite MLflow in tmp): a good run is fully
+recorded and registered; a bad dataset fails with file:line, a FAILED run and no new version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import BAD_LINE
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def flow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throwaway Prefect server, MLflow store and needle state dir; yields the tracking URI."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    root = tmp_path_factory.mktemp("flow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEEDLE_STATE_DIR", str(root / "state"))
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.setenv("JAX_PLATFORMS", "cpu")
+        with prefect_test_harness(server_startup_timeout=120):
+            yield uri
+
+
+def _versions(uri: str) -> list[Any]:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri).search_model_versions("name = 'needle'")
+
+
+def test_flow_records_and_registers(flow_env: str, tiny_flow_params: dict[str, Any]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+
+    result = needle(FinetuneParams(**tiny_flow_params))
+    client = MlflowClient(tracking_uri=flow_env)
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "needle-local"
+    tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
+    assert tags["backend"] == "cpu" and tags["device_count"] == "1"
+    assert tags["prefect.flow_run_id"] and tags["data_fingerprint"] and tags["git_commit"]
+    assert params["lora.rank"] == "16" and params["model.preset"] == "tiny" and params["train.steps"] == "4"
+    assert "optim.lr" in params and params["base/train.mode"] == "scratch"
+    loss_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert loss_steps == [1, 2, 3, 4]
+    assert {"tuned_exact_match", "base_exact_match", "val_loss"} <= set(metrics)
+    artifacts = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {"model", "tokenizer", "eval", "plots"} <= artifacts
+    assert [f.path for f in client.list_artifacts(run.info.run_id, "plots")] == ["plots/loss.png"]
+    assert run.inputs.dataset_inputs and run.inputs.dataset_inputs[0].dataset.digest
+    (version,) = [v for v in _versions(flow_env) if v.run_id == run.info.run_id]
+    assert version.tags["exact_match"] is not None
+    assert result["model_version"]["version"] == version.version
+
+
+def test_bad_dataset_fails_without_registering(
+    flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+    from needle.errors import DataError
+
+    before = len(_versions(flow_env))
+    with pytest.raises(DataError, match=rf"{bad_data.name}:{BAD_LINE}: "):
+        needle(FinetuneParams(**{**tiny_flow_params, "data": str(bad_data)}))
+    client = MlflowClient(tracking_uri=flow_env)
+    exp = client.get_experiment_by_name("needle-local")
+    (run,) = client.search_runs([exp.experiment_id], "attributes.status = 'FAILED'")
+    assert f"{bad_data.name}:{BAD_LINE}:" in run.data.tags["failure_reason"]
+    assert len(_versions(flow_env)) == before

@@ -1,0 +1,109 @@
+"""train_step / eval_step / optimizer on the tiny model: learning, LoRA freezing, accumulation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from train_helpers import make_plan, make_state
+
+from needle.config import OptimConfig
+from needle.train.step import decay_mask, eval_step, make_schedule, train_step
+
+step_fn = jax.jit(train_step)  # not donated: the tests compare before and after
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_step_changes_params_and_lowers_loss_on_a_repeated_batch() -> None:
+    state = make_state("scratch")
+    before = leaves(state.trainable)
+    batch = make_plan().batch(0)
+    losses = []
+    for _ in range(6):
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert int(state.step) == 6
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert any(not np.array_equal(a, b) for a, b in zip(before, leaves(state.trainable)))
+
+
+def test_lora_step_changes_only_adapters_and_leaves_frozen_bit_identical() -> None:
+    state = make_state("lora")
+    names = {"/".join(str(k.key) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(state.trainable)}
+    assert names and all(n.endswith(("lora_a", "lora_b")) for n in names)
+    frozen_before, trainable_before = leaves(state.frozen), leaves(state.trainable)
+    batch = make_plan().batch(0)
+    for _ in range(2):
+        state, _ = step_fn(state, batch)
+    assert all(np.array_equal(a, b) for a, b in zip(frozen_before, leaves(state.frozen)))
+    changed = [not np.array_equal(a, b) for a, b in zip(trainable_before, leaves(state.trainable))]
+    assert all(changed), "every adapter leaf should move after two steps"
+
+
+def test_metrics_are_finite_and_count_loss_tokens() -> None:
+    optim = OptimConfig(lr=1e-2, warmup_steps=4)
+    state = make_state("scratch", optim=optim)
+    batch = make_plan().batch(1)
+    _, metrics = step_fn(state, batch)
+    values = {k: float(v) for k, v in metrics.items()}
+    assert set(values) == {"loss", "grad_norm", "lr", "tokens"}
+    assert all(np.isfinite(v) for v in values.values())
+    assert values["tokens"] == float(batch["mask"].sum())
+    assert values["lr"] == 0.0  # step 0 of a linear warmup from zero
+    assert values["grad_norm"] > 0
+
+
+def test_grad_accumulation_equals_one_big_batch() -> None:
+    batch = make_plan(batch_size=4).batch(0)
+    # Rows carry different numbers of loss tokens, so a per-micro-batch mean would differ.
+    assert len(set(batch["mask"].sum(axis=1).tolist())) > 1
+    one, m_one = step_fn(make_state("scratch", grad_accum=1), batch)
+    two, m_two = step_fn(make_state("scratch", grad_accum=2), batch)
+    for key in ("loss", "grad_norm", "tokens"):
+        np.testing.assert_allclose(float(m_two[key]), float(m_one[key]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(leaves(one.trainable), leaves(two.trainable)):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    # A batch that already carries the micro-batch axis [A, B/A, T] gives the same step.
+    split = {k: v.reshape(2, 2, *v.shape[1:]) for k, v in batch.items()}
+    _, m_split = step_fn(make_state("scratch", grad_accum=2), split)
+    np.testing.assert_allclose(float(m_split["loss"]), float(m_one["loss"]), rtol=1e-5)
+
+
+def test_batch_without_loss_tokens_gives_zero_loss_not_nan() -> None:
+    batch = make_plan().batch(0)
+    batch["mask"] = np.zeros_like(batch["mask"])
+    state = make_state("scratch")
+    _, metrics = step_fn(state, batch)
+    assert float(metrics["loss"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
+
+
+def test_eval_step_matches_the_training_loss() -> None:
+    state = make_state("scratch")
+    batch = make_plan().batch(2)
+    out = jax.jit(eval_step)(state, batch)
+    _, metrics = step_fn(state, batch)
+    assert float(out["tokens"]) == float(batch["mask"].sum())
+    np.testing.assert_allclose(float(out["loss_sum"]) / float(out["tokens"]), float(metrics["loss"]), rtol=1e-6)
+
+
+def test_schedule_warms_up_then_decays_to_min_lr() -> None:
+    optim = OptimConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    lr = make_schedule(optim, total_steps=100)
+    assert float(lr(0)) == 0.0
+    assert float(lr(10)) == pytest.approx(1e-3)
+    assert float(lr(100)) == pytest.approx(1e-4)
+    assert float(lr(5)) == pytest.approx(5e-4)
+    # Warmup longer than the run is clamped instead of never reaching the peak.
+    short = make_schedule(optim, total_steps=3)
+    assert float(short(2)) == pytest.approx(1e-3)
+
+
+def test_weight_decay_skips_norms_and_embeddings() -> None:
+    mask = decay_mask(make_state("scratch").trainable)
+    flat = {"/".join(str(k.key) for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+    assert flat["embed/embedding"] is False
+    assert not any(v for k, v in flat.items() if k.endswith("scale"))
+    assert any(v for k, v in flat.items() if k.endswith("kernel"))

@@ -1,0 +1,74 @@
+"""Helpers for tests/train: the tiny model (vocab 64, 32 tokens), synthetic rows, fresh states."""
+
+from __future__ import annotations
+
+import functools
+
+import datasets
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, model_preset
+from needle.data.batching import BatchPlan
+from needle.model import lora as lora_lib
+from needle.model.transformer import Transformer
+from needle.train.finetune import make_apply_fn
+from needle.train.step import TrainState, create_state
+
+VOCAB = 64
+MAX_LEN = 32
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def tiny_model_cfg() -> ModelConfig:
+    return model_preset("tiny", vocab_size=VOCAB, max_len=MAX_LEN)
+
+
+def synthetic_split(n_rows: int, seed: int = 0) -> datasets.Dataset:
+    """Rows of random ids (pad id 0 never used) whose second half carries the loss.
+
+    Lengths 18..32 all land in the 32-token bucket: one batch shape, so one compilation.
+    """
+    rng = np.random.default_rng(seed)
+    ids, masks = [], []
+    for _ in range(n_rows):
+        length = int(rng.integers(18, MAX_LEN + 1))
+        ids.append(rng.integers(1, VOCAB, size=length).astype(np.int32).tolist())
+        masks.append([0] * (length // 2) + [1] * (length - length // 2))
+    return datasets.Dataset.from_dict({"ids": ids, "loss_mask": masks, "length": [len(x) for x in ids]})
+
+
+def make_plan(n_rows: int = 24, batch_size: int = 4, seed: int = 0) -> BatchPlan:
+    return BatchPlan(synthetic_split(n_rows, seed), batch_size=batch_size, max_len=MAX_LEN, seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _init_params(with_lora: bool, seed: int):
+    # init_params compiles afresh on every call (seconds on a busy CPU): build each tree once.
+    return lora_lib.init_params(tiny_model_cfg(), LORA if with_lora else None, seed)
+
+
+def make_state(
+    mode: str = "scratch",
+    *,
+    steps: int = 10,
+    grad_accum: int = 1,
+    optim: OptimConfig | None = None,
+    seed: int = 0,
+) -> TrainState:
+    """A fresh tiny state; ``lora`` puts rank-4 adapters on a randomly initialised base."""
+    cfg = tiny_model_cfg()
+    lora = LORA if mode == "lora" else None
+    # A copy: the loop donates the state, which would delete the cached arrays.
+    params = jax.tree.map(jnp.copy, _init_params(mode == "lora", seed))
+    trainable, frozen = lora_lib.split_trainable(params, mode)
+    return create_state(
+        make_apply_fn(Transformer(cfg, lora)), trainable, frozen,
+        optim or OptimConfig(lr=1e-2, warmup_steps=0), steps, grad_accum=grad_accum, seed=seed,
+    )  # fmt: skip
+
+
+def train_cfg(**overrides) -> TrainConfig:
+    base = dict(mode="scratch", steps=6, batch_size=4, log_every=2, checkpoint_every=3, compilation_cache_dir=None)
+    return TrainConfig.model_validate({**base, **overrides})
