@@ -75,9 +75,9 @@ def log_dataset(run_id: str, prepared_dir: str, source: str, client: Any) -> str
 
     prepared = PreparedData.load(prepared_dir)
     for split in ("train", "val", "test"):
-        ds = mlflow.data.from_huggingface(
-            prepared.splits[split], name=f"{Path(source).stem}-{split}", digest=prepared.fingerprint[:20]
-        )
+        # The token-id list columns defeat MLflow's schema inference; the text columns describe it.
+        table = prepared.splits[split].select_columns(["query", "tools", "answers", "length", "source"])
+        ds = mlflow.data.from_huggingface(table, name=f"{Path(source).stem}-{split}", digest=prepared.fingerprint[:20])
         tags = [InputTag("mlflow.data.context", split), InputTag("fingerprint", prepared.fingerprint),
                 InputTag("source", source)]
         client.log_inputs(run_id, [DatasetInput(ds._to_mlflow_entity(), tags=tags)])

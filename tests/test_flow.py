@@ -59,7 +59,7 @@ def test_flow_records_and_registers(flow_env: str, tiny_flow_params: dict[str, A
     assert run.inputs.dataset_inputs and run.inputs.dataset_inputs[0].dataset.digest
     (version,) = [v for v in _versions(flow_env) if v.run_id == run.info.run_id]
     assert version.tags["exact_match"] is not None
-    assert result["model_version"]["version"] == version.version
+    assert result["model_version"]["version"] == str(version.version)
 
 
 def test_bad_dataset_fails_without_registering(

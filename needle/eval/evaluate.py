@@ -41,7 +41,7 @@ from needle.data.schema import Row, parse_row, split_source
 from needle.errors import DataError, DataIssue
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.metrics import score_predictions
-from needle.eval.parse import parse_calls
+from needle.eval.parse import ParsedCall, parse_calls
 from needle.hardware import BackendSettings
 from needle.model.io import LoadedModel, load_model
 from needle.model.transformer import Transformer
@@ -94,7 +94,9 @@ def _loss_sum(model: Transformer, params: Any, batch: dict[str, jax.Array]) -> t
     return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
 
 
-def compute_val_loss(model: Transformer, params: Any, split: datasets.Dataset, batch_size: int, pad_id: int) -> float | None:
+def compute_val_loss(
+    model: Transformer, params: Any, split: datasets.Dataset, batch_size: int, pad_id: int
+) -> float | None:
     """Mean masked cross-entropy over the split's target tokens (None when it has none)."""
     plan = BatchPlan(split, batch_size=batch_size, max_len=model.cfg.max_len, seed=0, pad_id=pad_id)
     total, tokens = 0.0, 0.0
@@ -115,7 +117,7 @@ def fit_prompts(prompts: list[list[int]], model: Transformer, max_new_tokens: in
     return [p[-budget:] if cut else p for p, cut in zip(prompts, too_long)], sum(too_long)
 
 
-def _example_row(row: Row, parsed: Any, text: str, finished: bool, flags: dict[str, Any]) -> dict[str, Any]:
+def _example_row(row: Row, parsed: ParsedCall, text: str, finished: bool, flags: dict[str, Any]) -> dict[str, Any]:
     predicted = compact_json(parsed.calls) if parsed.ok else text
     return {
         "source": row.source,

@@ -22,6 +22,7 @@ from typing import Any
 from needle.config import EvalConfig
 from needle.data.render import compact_json, render_prompt
 from needle.data.schema import Row, parse_row
+from needle.errors import NeedleError
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.evaluate import evaluate_model, resolve_model
 from needle.eval.parse import parse_calls
@@ -41,7 +42,10 @@ def _rows_for(tools: list[dict[str, Any]], queries: list[str]) -> list[Row]:
     for i, query in enumerate(queries):
         if not isinstance(query, str) or not query.strip():
             raise ValueError(f"query {i + 1} is empty")
-    return [Row(query=q, tools=checked, answers=[], reasoning=None, system=None, source=f"query:{i + 1}") for i, q in enumerate(queries)]
+    return [
+        Row(query=q, tools=checked, answers=[], reasoning=None, system=None, source=f"query:{i + 1}")
+        for i, q in enumerate(queries)
+    ]
 
 
 def predict(
@@ -72,10 +76,8 @@ def predict(
         pad_id=tok.pad_id,
         batch_size=cfg.batch_size,
     )
-    out: list[Prediction] = [
-        {"error": f"prompt has {len(p)} tokens; at most {budget} fit with max_new_tokens={cfg.max_new_tokens}", "raw": ""}
-        for p in prompts
-    ]
+    too_long = f"at most {budget} fit with max_new_tokens={cfg.max_new_tokens}"
+    out: list[Prediction] = [{"error": f"prompt has {len(p)} tokens; {too_long}", "raw": ""} for p in prompts]
     for i, ids, finished in zip(fits, gen.ids, gen.finished):
         text = tok.decode(ids)
         parsed = parse_calls(text)
@@ -104,11 +106,11 @@ def read_tools(tools_path: str | Path) -> list[dict[str, Any]]:
 
 
 def run_predict_cli(model_dir: str, tools_path: str, queries: list[str]) -> int:
-    """`needle predict`: one JSON line per query on stdout; 2 on a bad tools file or query."""
+    """`needle predict`: one JSON line per query on stdout; 2 on a bad tools file, query or model."""
     try:
         tools = read_tools(tools_path)
         results = predict(model_dir, tools, queries)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError, NeedleError) as exc:
         print(f"needle predict: {exc}", file=sys.stderr)
         return 2
     for result in results:
@@ -119,13 +121,17 @@ def run_predict_cli(model_dir: str, tools_path: str, queries: list[str]) -> int:
 def run_evaluate_cli(model_dir: str, data_source: str, out_dir: str | None, max_rows: int | None) -> int:
     """`needle evaluate`: read rows, evaluate, print the metrics table, write the report.
 
-    ``out_dir`` defaults to ``<model_dir>/../eval``.
+    ``out_dir`` defaults to ``<model_dir>/../eval``. Returns 2 (reason on stderr) on bad data or
+    a missing or mismatched model.
     """
     from needle.data.load import read_rows
 
-    rows: list[Row]
-    rows, _ = read_rows(data_source, on_error="fail")
-    result = evaluate_model(model_dir, rows, EvalConfig(max_rows=max_rows))
+    try:
+        rows, _ = read_rows(data_source, on_error="fail")
+        result = evaluate_model(model_dir, rows, EvalConfig(max_rows=max_rows))
+    except (FileNotFoundError, NeedleError) as exc:
+        print(f"needle evaluate: {exc}", file=sys.stderr)
+        return 2
     target = Path(out_dir) if out_dir else Path(model_dir).absolute().parent / "eval"
     paths = write_report(result, target)
     print(format_table(result.metrics))

@@ -3,6 +3,7 @@
 ``write_report(result, out_dir)`` writes ``metrics.json`` (the metrics plus timing),
 ``examples.jsonl`` (one object per row) and ``examples.csv`` (the same, flags as columns).
 ``compare(before, after)`` lines up the numeric metrics of a base and a tuned model, and
+``loggable_metrics`` gives the numeric ones for ``Tracker.log_metrics`` (None dropped), and
 ``format_table`` renders either a metrics dict or a comparison as a plain pipe table that reads
 well in a terminal and pastes into a Markdown README.
 
@@ -34,11 +35,25 @@ def summary_of(result: EvalResult) -> dict[str, Any]:
     return {**result.metrics, **{k: getattr(result, k) for k in TIMING_KEYS}}
 
 
+def _csv_value(value: Any) -> Any:
+    # Nested values (lists, dicts) go in as JSON so the CSV stays one row per example.
+    return value if value is None or isinstance(value, (str, int, float)) else json.dumps(value)
+
+
+def loggable_metrics(result: EvalResult) -> dict[str, float]:
+    """The numeric metrics and timing as floats, undefined (None) ones left out: for a tracker."""
+    return {k: float(v) for k, v in summary_of(result).items() if _is_number(v)}
+
+
 def write_report(result: EvalResult, out_dir: str | Path) -> dict[str, Path]:
     """Write metrics.json, examples.jsonl and examples.csv under ``out_dir``; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"metrics": out / "metrics.json", "examples_jsonl": out / "examples.jsonl", "examples_csv": out / "examples.csv"}
+    paths = {
+        "metrics": out / "metrics.json",
+        "examples_jsonl": out / "examples.jsonl",
+        "examples_csv": out / "examples.csv",
+    }
     paths["metrics"].write_text(json.dumps(summary_of(result), indent=2, sort_keys=True) + "\n", encoding="utf-8")
     with paths["examples_jsonl"].open("w", encoding="utf-8") as f:
         for ex in result.examples:
@@ -50,8 +65,7 @@ def write_report(result: EvalResult, out_dir: str | Path) -> dict[str, Path]:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for ex in result.examples:
-            # Nested values (lists, dicts) go in as compact JSON so the CSV stays one row per example.
-            writer.writerow({k: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v) for k, v in ex.items()})
+            writer.writerow({k: _csv_value(v) for k, v in ex.items()})
     return paths
 
 

@@ -70,7 +70,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        # A SIGKILL mid-write leaves a temporary directory behind: clear it on the next start.
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def latest_step(self) -> int | None:

@@ -178,17 +178,22 @@ def _sum_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array, P
     return loss_sum, tokens, grads
 
 
-def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on a batch; returns the new state and device-side metrics."""
+def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array, PyTree]:
+    """Mean token loss, loss-token count, and the gradient of the mean w.r.t. ``trainable``."""
     loss_sum, tokens, grads = _sum_grads(state, batch)
     # A batch of only padding has no loss tokens: a zero gradient instead of 0/0 NaNs.
     denom = jnp.maximum(tokens, 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grads)
+    return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
+
+
+def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step on a batch; returns the new state and device-side metrics."""
+    loss, tokens, grads = loss_and_grads(state, batch)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.trainable)
     trainable = optax.apply_updates(state.trainable, updates)
     metrics = {
-        "loss": loss_sum / denom,
-        "grad_norm": optax.global_norm(grads),
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
         "lr": jnp.asarray(state.tx.schedule(state.step), jnp.float32),
         "tokens": tokens,
     }

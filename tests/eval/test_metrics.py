@@ -6,23 +6,13 @@ import pytest
 
 from needle.eval.metrics import FLAG_KEYS, METRIC_KEYS, check_calls, score_predictions
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city"],
-    },
-}
-CONVERT = {
-    "name": "convert",
-    "parameters": {
-        "type": "object",
-        "properties": {"amount": {"type": "number"}, "to": {"type": "string"}},
-        "required": ["amount", "to"],
-    },
-}
+def tool(name: str, required: list[str], **types: str) -> dict:
+    props = {arg: {"type": t} for arg, t in types.items()}
+    return {"name": name, "parameters": {"type": "object", "properties": props, "required": required}}
+
+
+WEATHER = tool("get_weather", ["city"], city="string", days="integer")
+CONVERT = tool("convert", ["amount", "to"], amount="number", to="string")
 TOOLS = [WEATHER, CONVERT]
 
 

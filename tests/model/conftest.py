@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from needle.config import ModelConfig, model_preset
-from needle.model.lora import init_params
+from needle.config import LoraConfig, ModelConfig, model_preset
+from needle.model.lora import attach_base, init_params
 from needle.model.transformer import Transformer
 
 
@@ -35,11 +35,27 @@ def make_tokens(cfg: ModelConfig) -> Callable[..., jax.Array]:
     return make
 
 
+_FORWARDS: dict[Transformer, Callable[..., jax.Array]] = {}
+
+
 def forward(model: Transformer, params: dict, tokens: jax.Array) -> jax.Array:
-    """Jitted uncached forward: one compile instead of one dispatch per op (much faster on CPU)."""
-    return jax.jit(model.apply)({"params": params}, tokens)
+    """Jitted uncached forward, compiled once per model (per-op dispatch is far slower on CPU)."""
+    if model not in _FORWARDS:
+        _FORWARDS[model] = jax.jit(model.apply)
+    return _FORWARDS[model]({"params": params}, tokens)
 
 
 @pytest.fixture(scope="session")
 def logits_of() -> Callable[[Transformer, dict, jax.Array], jax.Array]:
     return forward
+
+
+@pytest.fixture(scope="session")
+def lora_cfg() -> LoraConfig:
+    return LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="session")
+def lora_params(cfg: ModelConfig, lora_cfg: LoraConfig, base_params: dict) -> dict:
+    """A fresh adapter tree (every projection) carrying the base weights."""
+    return attach_base(init_params(cfg, lora_cfg, jax.random.key(1)), base_params)

@@ -11,7 +11,6 @@ import pytest
 from flax import traverse_util
 
 from needle.hardware import settings_for
-from needle.model.lora import init_params
 from needle.model.transformer import Transformer, init_cache
 
 
@@ -27,12 +26,17 @@ def test_forward_shapes_names_and_finite(cfg, base_params, make_tokens, logits_o
     assert names == {f"{p}/kernel" for p in projs + ["mlp/down_proj"]} | {"attn_norm/scale", "mlp_norm/scale"}
 
 
-def test_untied_output_head(cfg, make_tokens, logits_of):
+def test_untied_head_equal_to_embedding_matches_tied(cfg, base_params, make_tokens, logits_of):
     untied = cfg.model_copy(update={"tie_embeddings": False})
-    params = init_params(untied, None, 0)
-    assert params["lm_head"]["kernel"].shape == (cfg.d_model, cfg.vocab_size)
-    logits = logits_of(Transformer(untied), params, make_tokens((1, 4)))
-    assert logits.shape == (1, 4, cfg.vocab_size)
+    shapes = jax.eval_shape(lambda: Transformer(untied).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+    assert shapes["params"]["lm_head"]["kernel"].shape == (cfg.d_model, cfg.vocab_size)
+    params = {**base_params, "lm_head": {"kernel": base_params["embed"]["embedding"].T}}
+    tokens = make_tokens((1, 6))
+    np.testing.assert_allclose(
+        np.asarray(logits_of(Transformer(untied), params, tokens)),
+        np.asarray(logits_of(Transformer(cfg), base_params, tokens)),
+        atol=1e-5,
+    )
 
 
 def test_causality(cfg, base_params, make_tokens, logits_of):
@@ -71,7 +75,12 @@ def test_cached_decoding_matches_full_forward(cfg, base_params, make_tokens, log
     prompts = np.array(full_tokens[:, :bucket])
     for row, n in enumerate(lengths):
         prompts[row, n:] = 7
-    apply = jax.jit(lambda c, t, p: model.apply({"params": base_params, "cache": c}, t, p, decode=True, mutable=["cache"]))
+
+    def step(cache: dict, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        variables = {"params": base_params, "cache": cache}
+        return model.apply(variables, tokens, positions, decode=True, mutable=["cache"])
+
+    apply = jax.jit(step)
     cache = init_cache(model, 3, max_len)
     positions = jnp.broadcast_to(jnp.arange(bucket, dtype=jnp.int32), (3, bucket))
     logits, upd = apply(cache, jnp.asarray(prompts), positions)
@@ -91,11 +100,12 @@ def test_cached_decoding_matches_full_forward(cfg, base_params, make_tokens, log
 def test_init_cache_matches_model_init_layout(cfg):
     model = Transformer(cfg)
     cache = init_cache(model, 2, 16)
-    via_init = model.init(jax.random.key(1), jnp.zeros((2, 16), jnp.int32), decode=True)["cache"]
-    assert jax.tree.structure(cache) == jax.tree.structure(via_init)
-    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(via_init), strict=True):
-        assert a.shape == b.shape == (2, 16, cfg.n_kv_heads, cfg.head_dim)
-        assert not np.any(np.asarray(a)) and not np.any(np.asarray(b))
+    via_init = jax.eval_shape(lambda: model.init(jax.random.key(1), jnp.zeros((2, 16), jnp.int32), decode=True))
+    assert jax.tree.structure(cache) == jax.tree.structure(via_init["cache"])
+    assert set(cache) == {f"block_{i}" for i in range(cfg.n_layers)}
+    for leaf in jax.tree.leaves(cache):
+        assert leaf.shape == (2, 16, cfg.n_kv_heads, cfg.head_dim)
+        assert not np.any(np.asarray(leaf))
 
 
 def test_bfloat16_compute_is_finite_and_close(cfg, base_params, make_tokens, logits_of):

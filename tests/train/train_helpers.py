@@ -11,8 +11,10 @@ import numpy as np
 
 from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, model_preset
 from needle.data.batching import BatchPlan
+from needle.data.prepare import PreparedData
 from needle.model import lora as lora_lib
 from needle.model.transformer import Transformer
+from needle.tokenizer import Tokenizer, train_tokenizer
 from needle.train.finetune import make_apply_fn
 from needle.train.step import TrainState, create_state
 
@@ -72,3 +74,22 @@ def make_state(
 def train_cfg(**overrides) -> TrainConfig:
     base = dict(mode="scratch", steps=6, batch_size=4, log_every=2, checkpoint_every=3, compilation_cache_dir=None)
     return TrainConfig.model_validate({**base, **overrides})
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A real byte-level BPE (the smallest allowed vocabulary) for run_training's bookkeeping."""
+    texts = ["get_weather city Paris", "send_email to bob subject hi", "search_web query jax"] * 4
+    return train_tokenizer(texts, vocab_size=300)
+
+
+def tiny_prepared(n_train: int = 16, n_val: int = 8, fingerprint: str = "synthetic-0") -> PreparedData:
+    """PreparedData over synthetic single-bucket rows (ids < VOCAB are valid for any tokenizer)."""
+    splits = {"train": synthetic_split(n_train, seed=1), "val": synthetic_split(n_val, seed=2)}
+    return PreparedData(splits=splits, fingerprint=fingerprint, stats={})
+
+
+def finetune_configs(mode: str, steps: int = 6, **train_overrides) -> tuple[ModelConfig, TrainConfig, OptimConfig]:
+    """Configs for run_training: the tiny preset (vocab 512 > the tokenizer's 300), 32 tokens."""
+    model = model_preset("tiny", max_len=MAX_LEN)
+    train = train_cfg(mode=mode, steps=steps, checkpoint_every=2, log_every=1, eval_every=0, **train_overrides)
+    return model, train, OptimConfig(lr=1e-2, warmup_steps=0)

@@ -1,0 +1,96 @@
+"""Targets (pass/miss) and the printed table for a benchmark result dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# name -> (threshold, direction): ">=" passes at or above, "<=" at or below.
+TARGETS: dict[str, tuple[float, str]] = {
+    "utilisation.small_lora": (0.30, ">="),
+    "utilisation.small_full": (0.30, ">="),
+    "utilisation.medium_lora": (0.45, ">="),
+    "utilisation.medium_full": (0.45, ">="),
+    "needle_style.speedup": (1.3, ">="),
+    "cactus.step_throughput_ratio": (2.0, ">="),
+    "cactus.wall_ratio": (4.0, ">="),
+    "compile.warm_over_cold": (0.20, "<="),
+    "pipeline.mlflow_logging_share": (0.01, "<="),
+}
+
+
+def _get(result: dict[str, Any], dotted: str) -> Any:
+    node: Any = result
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per target: its value (None when not measured) and pass/miss/n/a."""
+    out = []
+    for name, (threshold, op) in TARGETS.items():
+        value = _get(result, "train." + name.split(".", 1)[1] + ".utilisation") if name.startswith("utilisation.") else _get(result, name)
+        if not isinstance(value, (int, float)):
+            verdict = "n/a"
+        else:
+            verdict = "pass" if (value >= threshold if op == ">=" else value <= threshold) else "miss"
+        out.append({"name": name, "value": value, "threshold": threshold, "op": op, "verdict": verdict})
+    return out
+
+
+def _fmt(x: Any, spec: str = ",.1f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text summary: the limit, each training config, comparisons, targets."""
+    lines = []
+    peak = result.get("peak", {})
+    f32 = peak.get("f32", {}).get("gflops") if isinstance(peak.get("f32"), dict) else None
+    lines.append(f"machine: {result['machine'].get('device_kind')} x{result['machine'].get('device_count')}, "
+                 f"load {result['machine'].get('loadavg_start')} -> {result['machine'].get('loadavg_end')}")
+    lines.append(f"peak f32 matmul {_fmt(f32)} GFLOP/s" + (
+        f", bf16 {_fmt(peak['bf16']['gflops'])} GFLOP/s" if isinstance(peak.get("bf16"), dict) else ""))
+    lines.append("")
+    lines.append(f"{'config':<14}{'step s':>9}{'tok/s pad':>11}{'tok/s real':>11}{'MFLOP/tok':>11}"
+                 f"{'GFLOP/s':>9}{'util':>7}{'in-wait':>8}")
+    for key, r in result.get("train", {}).items():
+        if not isinstance(r, dict) or r.get("status") != "ok":
+            lines.append(f"{key:<14}{(r or {}).get('status', '-')}: {(r or {}).get('error', '')[:60]}")
+            continue
+        lines.append(f"{key:<14}{_fmt(r['step_s'], '.3f'):>9}{_fmt(r['padded_tokens_per_s'], ',.0f'):>11}"
+                     f"{_fmt(r['real_tokens_per_s'], ',.0f'):>11}{_fmt(r['flops_per_token']['total'] / 1e6, '.2f'):>11}"
+                     f"{_fmt(r['achieved_gflops']):>9}{_fmt(100 * (r.get('utilisation') or 0), '.0f'):>6}%"
+                     f"{_fmt(100 * r['input_wait_share'], '.1f'):>7}%")
+    comp = result.get("compile", {})
+    if comp.get("status") == "ok":
+        lines.append(f"compile (first step): cold {_fmt(comp['cold']['first_step_s'])} s, warm "
+                     f"{_fmt(comp['warm']['first_step_s'])} s; process start to first step cold "
+                     f"{_fmt(comp['cold']['process_to_first_step_s'])} s, warm {_fmt(comp['warm']['process_to_first_step_s'])} s")
+    ns = result.get("needle_style", {})
+    if ns.get("status") == "ok":
+        lines.append(f"needle-style loop: step {_fmt(ns['step_s'], '.3f')} s, {_fmt(ns['real_tokens_per_s'], ',.0f')} real tok/s, "
+                     f"first step {_fmt(ns['first_step_s'])} s, ragged step {_fmt(ns.get('ragged_step_s'))} s; "
+                     f"ours {_fmt(ns.get('speedup'), '.2f')}x")
+    ca = result.get("cactus", {})
+    if ca.get("status") == "ok":
+        lines.append(f"cactus-needle finetune_local: step {_fmt(ca['step_s'], '.3f')} s ({_fmt(ca['padded_tokens_per_s'], ',.0f')} "
+                     f"padded tok/s), wall {_fmt(ca['wall_s'])} s; ours: wall {_fmt(ca.get('ours', {}).get('wall_s'))} s; "
+                     f"ratios: step {_fmt(ca.get('step_throughput_ratio'), '.2f')}x, wall {_fmt(ca.get('wall_ratio'), '.2f')}x")
+    elif ca:
+        lines.append(f"cactus-needle: {ca.get('status')}: {ca.get('error') or ca.get('reason', '')}"[:300])
+    de = result.get("data_eval", {})
+    if de.get("status") == "ok":
+        lines.append(f"data prep: {_fmt(de['prep_cold_examples_per_s'], ',.0f')} ex/s cold, "
+                     f"{_fmt(de['prep_cached_examples_per_s'], ',.0f')} ex/s cached; eval decode "
+                     f"{_fmt(de['eval_decode_tokens_per_s'], ',.0f')} tok/s, {_fmt(de['eval_rows_per_s'], '.2f')} rows/s")
+    dv = result.get("devices", {})
+    if dv.get("status") == "ok":
+        lines.append("devices: " + ", ".join(f"{n}: {_fmt(r.get('tokens_per_s'), ',.0f')} tok/s loss {_fmt(r.get('loss'), '.3f')}"
+                                             for n, r in dv.get("by_count", {}).items()))
+    lines.append("")
+    for t in result.get("targets", []):
+        lines.append(f"target {t['name']:<32} {t['op']} {t['threshold']:<6} value {_fmt(t['value'], '.3f'):>8}  {t['verdict']}")
+    return "\n".join(lines)

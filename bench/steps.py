@@ -1,0 +1,131 @@
+"""Time the library's ``train_step`` on real batches: step time, tokens/s, FLOPs, input wait.
+
+The step is the library's own (``needle.train.step.train_step`` jitted with the state donated,
+exactly as ``needle.train.loop`` does); batches come from ``BatchPlan`` over prepared data.
+Steps are dispatched asynchronously and the host blocks once at the end of a timed window.
+
+Input wait is measured as the difference between two timed windows of the same length: one
+building each batch on the host inside the loop (as the library loop does), one feeding
+batches that were built and put on the device beforehand. Their difference over the first
+window's wall time is the share of wall time the device waited for input.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from bench.flops import count_matmul_params, flops_per_token
+from bench.fixtures import ensure_base
+
+_jit_step_cache: dict[str, Any] = {}
+
+
+def jitted_train_step() -> Any:
+    """``jax.jit(train_step, donate_argnums=0)``, built once per process."""
+    from needle.train.step import train_step
+
+    if "step" not in _jit_step_cache:
+        _jit_step_cache["step"] = jax.jit(train_step, donate_argnums=0)
+    return _jit_step_cache["step"]
+
+
+def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, lora_rank: int = 16) -> tuple[Any, Any]:
+    """A fresh ``TrainState`` for ``preset`` in ``mode`` on a random-init base; returns (state, model_cfg)."""
+    from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
+    from needle.hardware import settings_for
+    from needle.model import lora as lora_lib
+    from needle.model.transformer import Transformer
+    from needle.train.finetune import initial_params, make_apply_fn
+    from needle.train.step import create_state
+
+    settings = settings_for(jax.default_backend())
+    train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
+    lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
+    base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
+    model_cfg, params = initial_params(model_preset(preset), train_cfg, lora_cfg, base_dir, settings)
+    trainable, frozen = lora_lib.split_trainable(params, mode)
+    model = Transformer(model_cfg, lora_cfg, settings)
+    state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), steps, seed=0)
+    return state, model_cfg
+
+
+def batch_tokens(batch: dict[str, np.ndarray], pad_id: int) -> tuple[int, int]:
+    """(padded tokens B*T, real tokens = non-pad input positions) of one batch."""
+    inputs = np.asarray(batch["inputs"])
+    return int(inputs.size), int((inputs != pad_id).sum())
+
+
+def run_window(state: Any, plan: Any, first: int, n: int, prebuilt: list | None = None) -> tuple[Any, float, float]:
+    """Run steps ``first..first+n-1``; returns (state, wall seconds, last loss)."""
+    step_fn = jitted_train_step()
+    t0 = time.perf_counter()
+    metrics = None
+    for i in range(n):
+        batch = prebuilt[i] if prebuilt is not None else plan.batch(first + i)
+        state, metrics = step_fn(state, batch)
+    jax.block_until_ready((state, metrics))
+    wall = time.perf_counter() - t0
+    return state, wall, float(metrics["loss"]) if metrics is not None else float("nan")
+
+
+def measure_train(preset: str, mode: str, prepared: Any, tok: Any, *, steps: int = 20, batch_size: int = 16,
+                  warmup: int = 3, lora_rank: int = 16) -> dict[str, Any]:
+    """Compile, warm up, then time ``steps`` steps twice (host-built vs prebuilt batches)."""
+    from needle.data.batching import BatchPlan
+    from needle.model.lora import count_params
+
+    total = warmup + 2 * steps
+    state, model_cfg = build_state(preset, mode, tok, total, batch_size, lora_rank)
+    plan = BatchPlan(prepared.splits["train"], batch_size, model_cfg.max_len, 0, tok.pad_id)
+    # LoRA splits the tree in two halves with disjoint leaves; count both and add.
+    a, b = count_matmul_params(state.trainable), count_matmul_params(state.frozen)
+    counts = {"n_mat": a["n_mat"] + b["n_mat"], "n_lora": a["n_lora"] + b["n_lora"]}
+
+    t0 = time.perf_counter()
+    state, first_s, _ = run_window(state, plan, 0, 1)
+    seen = {np.shape(plan.batch(0)["inputs"])}
+    # Warm up every bucket shape the timed windows will meet, so no compile lands in them.
+    for i in range(1, warmup + 2 * steps):
+        shape = np.shape(plan.batch(i)["inputs"])
+        if shape not in seen:
+            seen.add(shape)
+            state, _, _ = run_window(state, plan, i, 1)
+    state, _, _ = run_window(state, plan, 1, max(1, warmup - 1))
+    warm_s = time.perf_counter() - t0
+
+    first = warmup
+    host_built = [plan.batch(first + i) for i in range(steps)]
+    padded, real = map(sum, zip(*(batch_tokens(b, tok.pad_id) for b in host_built)))
+    seq_lens = sorted({int(np.shape(b["inputs"])[1]) for b in host_built})
+    t_host = time.perf_counter()
+    _ = [plan.batch(first + i) for i in range(steps)]
+    host_batch_s = (time.perf_counter() - t_host) / steps
+
+    state, wall_a, loss = run_window(state, plan, first, steps)
+    prebuilt = [jax.device_put(b) for b in host_built]
+    jax.block_until_ready(prebuilt)
+    state, wall_b, _ = run_window(state, plan, first, steps, prebuilt=prebuilt)
+
+    step_s = wall_a / steps
+    mean_t = padded / (batch_size * steps)
+    fl = flops_per_token(counts["n_mat"], counts["n_lora"], model_cfg.n_layers, model_cfg.d_model,
+                         model_cfg.vocab_size, int(round(mean_t)), mode)
+    return {
+        "preset": preset, "mode": mode, "batch_size": batch_size, "steps_timed": steps,
+        "seq_lens": seq_lens, "mean_seq_len": mean_t,
+        "first_step_s": first_s, "warmup_s": warm_s, "compiled_shapes": len(seen),
+        "step_s": step_s, "step_s_prebuilt": wall_b / steps,
+        "padded_tokens_per_s": padded / wall_a, "real_tokens_per_s": real / wall_a,
+        "real_token_fraction": real / padded,
+        "n_mat": counts["n_mat"], "n_lora": counts["n_lora"],
+        "n_params_total": count_params(state.trainable) + count_params(state.frozen),
+        "n_params_trainable": count_params(state.trainable),
+        "flops_per_token": fl, "achieved_gflops": fl["total"] * padded / wall_a / 1e9,
+        "host_batch_s": host_batch_s,
+        "input_wait_share": max(0.0, wall_a - wall_b) / wall_a,
+        "loss": loss,
+    }

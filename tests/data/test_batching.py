@@ -1,0 +1,97 @@
+"""BatchPlan: bucketed fixed shapes, shift and mask, step-pure shuffling, full eval coverage."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+
+from needle.data.batching import BatchPlan, bucket_for, bucket_sizes
+
+PAD = 0
+
+
+def _split(lengths: list[int]) -> datasets.Dataset:
+    # Row i's tokens all carry the id 1000 + i, so any batch row says which row it came from.
+    rows = [{"ids": [1000 + i] * n, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)} for i, n in enumerate(lengths)]
+    return datasets.Dataset.from_list(rows)
+
+
+LENGTHS = [5, 17, 30, 33, 64, 65, 100, 128, 3, 12, 40, 90, 77, 20, 16, 9, 120, 60, 31]
+
+
+def _row_ids(batch: dict[str, np.ndarray]) -> list[int]:
+    return [int(r[0]) - 1000 for r in batch["inputs"] if r[0] != PAD]
+
+
+def test_buckets() -> None:
+    assert bucket_sizes(256) == [16, 32, 64, 128, 256]
+    assert bucket_sizes(200) == [16, 32, 64, 128, 200]
+    assert [bucket_for(n, 200) for n in (1, 16, 17, 129, 200)] == [16, 16, 32, 200, 200]
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        bucket_for(201, 200)
+
+
+def test_batches_have_fixed_shapes_and_shifted_targets() -> None:
+    plan = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=0, pad_id=PAD)
+    assert plan.steps_per_epoch == 6  # buckets 16:4 rows, 32:5, 64:4, 128:6 -> 1+2+1+2
+    for step in range(plan.steps_per_epoch):
+        b = plan.batch(step)
+        B, T = b["inputs"].shape
+        assert B == 4 and T in bucket_sizes(128)
+        assert b["inputs"].dtype == np.int32 and b["targets"].dtype == np.int32 and b["mask"].dtype == np.float32
+        for r, i in enumerate(_row_ids(b)):
+            n = LENGTHS[i] - 1
+            assert bucket_for(n, 128) == T
+            assert (b["inputs"][r, :n] == 1000 + i).all() and (b["inputs"][r, n:] == PAD).all()
+            assert (b["targets"][r, :n] == 1000 + i).all()
+            assert b["mask"][r].tolist() == ([0.0] * (LENGTHS[i] // 2) + [1.0] * (LENGTHS[i] - LENGTHS[i] // 2))[1:] + [0.0] * (T - n)
+
+
+def test_ragged_batches_are_padded_with_masked_rows() -> None:
+    plan = BatchPlan(_split([10, 11, 12]), batch_size=8, max_len=64, seed=0)
+    b = plan.batch(0)
+    assert b["inputs"].shape == (8, 16)
+    assert b["mask"][3:].sum() == 0 and (b["inputs"][3:] == PAD).all()
+
+
+def test_batch_is_a_pure_function_of_step() -> None:
+    a = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=7)
+    b = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=7)
+    for step in [13, 0, 5, 13, 2]:  # out of order, across epochs, repeated
+        x, y = a.batch(step), b.batch(step)
+        assert all(np.array_equal(x[k], y[k]) for k in ("inputs", "targets", "mask"))
+
+
+def test_each_epoch_sees_every_row_once_in_a_new_order() -> None:
+    plan = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=1)
+    spe = plan.steps_per_epoch
+    orders = []
+    for epoch in range(3):
+        seen = [i for s in range(epoch * spe, (epoch + 1) * spe) for i in _row_ids(plan.batch(s))]
+        assert sorted(seen) == list(range(len(LENGTHS)))
+        orders.append(seen)
+    assert orders[0] != orders[1] != orders[2]
+    other_seed = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=2)
+    assert [i for s in range(spe) for i in _row_ids(other_seed.batch(s))] != orders[0]
+
+
+def test_eval_batches_cover_each_row_once() -> None:
+    plan = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=0)
+    batches = list(plan.eval_batches())
+    rows = [int(i) for b in batches for i in b["rows"] if i >= 0]
+    assert sorted(rows) == list(range(len(LENGTHS)))
+    for b in batches:
+        assert b["inputs"].shape[0] == 4 and b["rows"].shape == (4,)
+        assert [int(i) for i in b["rows"] if i >= 0] == _row_ids(b)
+        assert b["mask"][b["rows"] < 0].sum() == 0
+    assert [b["rows"].tolist() for b in plan.eval_batches()] == [b["rows"].tolist() for b in batches]
+
+
+def test_empty_split_and_overlong_rows_are_errors() -> None:
+    plan = BatchPlan(datasets.Dataset.from_dict({"ids": [], "loss_mask": []}), batch_size=2, max_len=64, seed=0)
+    assert plan.steps_per_epoch == 0 and list(plan.eval_batches()) == []
+    with pytest.raises(ValueError, match="empty split"):
+        plan.batch(0)
+    with pytest.raises(ValueError, match="more than max_len=64"):
+        BatchPlan(_split([65]), batch_size=2, max_len=64, seed=0)

@@ -1,0 +1,107 @@
+"""LoRA trees: adapter placement, identity at init, merge equivalence, split/combine, attach."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from needle.config import LoraConfig
+from needle.errors import CheckpointMismatchError
+from needle.model.lora import attach_base, combine, count_params, merge_lora, split_trainable
+from needle.model.transformer import Transformer
+
+
+def _flat(tree: dict) -> dict[str, np.ndarray]:
+    return {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(tree).items()}
+
+
+def _zeros_like_shapes(model: Transformer) -> dict:
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def test_adapters_only_on_targets(cfg):
+    lora = LoraConfig(rank=3, targets=("q", "down"))
+    flat = _flat(_zeros_like_shapes(Transformer(cfg, lora)))
+    adapted = {k.rsplit("/", 1)[0] for k in flat if k.endswith("/lora_a")}
+    want = {f"block_{i}/{p}" for i in range(cfg.n_layers) for p in ("attn/q_proj", "mlp/down_proj")}
+    assert adapted == want
+    assert flat["block_0/attn/q_proj/lora_a"].shape == (cfg.d_model, 3)
+    assert flat["block_0/mlp/down_proj/lora_b"].shape == (3, cfg.d_model)
+
+
+def test_fresh_adapter_is_identity(cfg, lora_cfg, base_params, lora_params, make_tokens, logits_of):
+    flat = _flat(lora_params)
+    assert all(not v.any() for k, v in flat.items() if k.endswith("lora_b"))
+    assert all(v.std() > 0 for k, v in flat.items() if k.endswith("lora_a"))
+    tokens = make_tokens((2, 8))
+    base = logits_of(Transformer(cfg), base_params, tokens)
+    adapted = logits_of(Transformer(cfg, lora_cfg), lora_params, tokens)
+    np.testing.assert_allclose(np.asarray(adapted), np.asarray(base), atol=1e-6)
+
+
+def test_merge_matches_adapter_path(cfg, lora_cfg, base_params, lora_params, make_tokens, logits_of):
+    rng = np.random.default_rng(2)
+    flat = traverse_util.flatten_dict(lora_params)
+    for k in flat:
+        if k[-1] == "lora_b":
+            flat[k] = jnp.asarray(0.1 * rng.standard_normal(flat[k].shape), jnp.float32)
+    tuned = traverse_util.unflatten_dict(flat)
+    tokens = make_tokens((2, 8))
+    adapted = logits_of(Transformer(cfg, lora_cfg), tuned, tokens)
+    base = logits_of(Transformer(cfg), base_params, tokens)
+    assert float(jnp.max(jnp.abs(adapted - base))) > 1e-2
+
+    merged = merge_lora(tuned, lora_cfg)
+    assert jax.tree.structure(merged) == jax.tree.structure(base_params)
+    np.testing.assert_allclose(
+        np.asarray(logits_of(Transformer(cfg), merged, tokens)), np.asarray(adapted), atol=1e-4
+    )
+    with pytest.raises(ValueError, match="rank 4"):
+        merge_lora(tuned, LoraConfig(rank=8))
+
+
+def test_split_combine_round_trip(base_params, lora_params):
+    trainable, frozen = split_trainable(lora_params, "lora")
+    t, f = _flat(trainable), _flat(frozen)
+    assert t and all(k.rsplit("/", 1)[1] in ("lora_a", "lora_b") for k in t)
+    assert not any("lora_" in k for k in f)
+    assert count_params(trainable) + count_params(frozen) == count_params(lora_params)
+    back = _flat(combine(trainable, frozen))
+    assert back.keys() == _flat(lora_params).keys()
+    assert all(np.array_equal(back[k], v) for k, v in _flat(lora_params).items())
+
+    for mode in ("full", "scratch"):
+        trainable, frozen = split_trainable(base_params, mode)
+        assert frozen == {} and trainable is base_params
+        assert combine(trainable, frozen).keys() == base_params.keys()
+    with pytest.raises(ValueError, match="no lora_a/lora_b"):
+        split_trainable(base_params, "lora")
+    with pytest.raises(ValueError, match="unknown training mode"):
+        split_trainable(base_params, "qlora")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="both halves"):
+        combine(base_params, {"final_norm": base_params["final_norm"]})
+
+
+def test_attach_base_refuses_mismatches(cfg, lora_cfg, base_params, lora_params):
+    other = _zeros_like_shapes(Transformer(cfg.model_copy(update={"d_ff": 32})))
+    with pytest.raises(CheckpointMismatchError, match=r"block_0/mlp/gate_proj/kernel: base shape \(32, 32\)"):
+        attach_base(lora_params, other)
+    with pytest.raises(CheckpointMismatchError, match="merge_lora it first"):
+        attach_base(lora_params, lora_params)
+    missing = {k: v for k, v in base_params.items() if k != "final_norm"}
+    with pytest.raises(CheckpointMismatchError, match="final_norm/scale"):
+        attach_base(lora_params, missing)
+
+
+def test_count_params_matches_formula(cfg, lora_cfg, base_params, lora_params):
+    d, f, v, hd = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    per_block = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * f
+    assert count_params(base_params) == v * d + cfg.n_layers * per_block + d
+    r = lora_cfg.rank
+    adapters = r * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+    assert count_params(lora_params) - count_params(base_params) == cfg.n_layers * adapters

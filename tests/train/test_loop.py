@@ -1,0 +1,104 @@
+"""The loop: hook cadence, validation, NaN stop keeping the last good checkpoint, exact resume."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from train_helpers import make_plan, make_state, train_cfg
+
+from needle.data.batching import BatchPlan
+from needle.errors import NonFiniteLossError
+from needle.train.checkpoint import Checkpointer
+from needle.train.loop import Hook, checkpoint_hook, metrics_hook, train
+
+META = {"fingerprint": "synthetic", "config": {"steps": 6}}
+
+
+class PoisonedPlan:
+    """A BatchPlan whose batch at ``bad_index`` has a NaN loss mask."""
+
+    def __init__(self, plan: BatchPlan, bad_index: int) -> None:
+        self.plan, self.bad_index = plan, bad_index
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        batch = self.plan.batch(step)
+        if step == self.bad_index:
+            batch["mask"] = batch["mask"] * np.float32("nan")
+        return batch
+
+    def eval_batches(self):
+        return self.plan.eval_batches()
+
+
+class StopAt(Exception):
+    """Raised by a hook to end a run early, like a crash between checkpoints."""
+
+
+def params_of(state) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(state.trainable)]
+
+
+def test_hooks_run_on_their_cadence_with_fetched_metrics(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[tuple[int, dict]] = []
+    ckpt = Checkpointer(tmp_path, keep=5)
+    hooks = [metrics_hook(lambda m, step: seen.append((step, m)), every=2), checkpoint_hook(ckpt, META, every=3)]
+    cfg = train_cfg(steps=6, log_every=2, eval_every=3)
+    with caplog.at_level(logging.INFO, logger="needle.train.loop"):
+        result = train(make_state(steps=6), make_plan(), cfg, hooks=hooks, val_plan=make_plan(n_rows=8, seed=5))
+    ckpt.close()
+    assert [s for s, _ in seen] == [2, 4, 6]
+    assert Checkpointer(tmp_path).all_steps() == [3, 6]
+    assert [r["step"] for r in result.history] == [2, 3, 4, 6]
+    for record in result.history:
+        assert np.isfinite(record["loss"]) and record["tokens_per_s"] > 0 and record["step_time_s"] > 0
+        assert record["tokens"] > 0 and record["lr"] > 0
+    # Validation ran at 3 and 6, before the metrics hook, which therefore saw it at step 6.
+    assert [r["step"] for r in result.history if "val_loss" in r] == [3, 6]
+    assert "val_loss" in seen[-1][1] and result.val_loss == result.history[-1]["val_loss"]
+    assert result.final_step == 6 and int(result.state.step) == 6
+    assert result.train_loss == result.history[-1]["loss"] and result.tokens_per_s > 0
+    assert "step 6/6 loss" in caplog.text  # plain log lines when stdout is not a terminal
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=5)
+    # Metrics are only fetched at checkpoints (3, 6): the NaN of step 5 is caught at 6,
+    # before that bad state is saved.
+    cfg = train_cfg(steps=6, log_every=100, checkpoint_every=3)
+    with pytest.raises(NonFiniteLossError, match="at step 5"):
+        train(make_state(steps=6), PoisonedPlan(make_plan(), bad_index=4), cfg, hooks=[checkpoint_hook(ckpt, META, 3)])
+    ckpt.close()
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps() == [3]
+    state, _ = ckpt.restore_latest(make_state(steps=6), META)
+    assert all(np.isfinite(p).all() for p in params_of(state))
+    ckpt.close()
+
+
+def test_resume_after_a_stop_between_saves_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = train_cfg(steps=6, log_every=1, checkpoint_every=3)
+    full = train(make_state(steps=6), make_plan(), cfg)
+
+    ckpt = Checkpointer(tmp_path)
+
+    def crash(step, state, metrics):
+        if step == 5:
+            raise StopAt(step)
+
+    with pytest.raises(StopAt):
+        train(make_state(steps=6), make_plan(), cfg, hooks=[checkpoint_hook(ckpt, META, 3), Hook(crash, 1)])
+    restored, meta = ckpt.restore_latest(make_state(steps=6), META)
+    assert meta["step"] == 3
+    resumed = train(restored, make_plan(), cfg, start_step=meta["step"], hooks=[checkpoint_hook(ckpt, META, 3)])
+    ckpt.close()
+    assert [r["step"] for r in resumed.history] == [4, 5, 6]
+    np.testing.assert_allclose(
+        [r["loss"] for r in resumed.history], [r["loss"] for r in full.history[3:]], atol=1e-6
+    )
+    for a, b in zip(params_of(full.state), params_of(resumed.state)):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+    assert np.array_equal(np.asarray(full.state.rng), np.asarray(resumed.state.rng))
