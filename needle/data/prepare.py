@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from needle.data.schema import Row, split_source
 from needle.errors import DataError, DataIssue
 from needle.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 META_FILE = "meta.json"
 FEATURES = datasets.Features(
@@ -151,6 +153,9 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
     if truncated and cfg.on_truncate == "fail":
         issues = [DataIssue(*split_source(r.source), f"row is longer than max_len={cfg.max_len} tokens") for r in truncated]
         raise DataError(issues)
+    if truncated:
+        log.warning("%d of %d rows exceed max_len=%d tokens and were truncated (first: %s)",
+                    len(truncated), len(rows), cfg.max_len, truncated[0].source)  # fmt: skip
     parts = split_indices(len(rows), cfg)
     splits: dict[str, datasets.Dataset] = {}
     tokens: dict[str, dict[str, int]] = {}

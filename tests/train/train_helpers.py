@@ -89,7 +89,7 @@ def tiny_prepared(n_train: int = 16, n_val: int = 8, fingerprint: str = "synthet
 
 
 def finetune_configs(mode: str, steps: int = 6, **train_overrides) -> tuple[ModelConfig, TrainConfig, OptimConfig]:
-    """Configs for run_training: the tiny preset (vocab 512 > the tokenizer's 300), 32 tokens."""
+    """Configs for run_training: the tiny preset (vocab 1024 > the tokenizer's 300), 32 tokens."""
     model = model_preset("tiny", max_len=MAX_LEN)
     train = train_cfg(mode=mode, steps=steps, checkpoint_every=2, log_every=1, eval_every=0, **train_overrides)
     return model, train, OptimConfig(lr=1e-2, warmup_steps=0)
