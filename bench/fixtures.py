@@ -7,6 +7,7 @@ measures speed, not quality), saved with ``needle.model.io.save_model`` like a r
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,9 @@ def ensure_base(preset: str, tok: Any) -> Path:
 
     model_cfg = model_preset(preset)
     out = CACHE / f"base-{preset}-{tok.vocab_size}"
-    if (out / "config.json").exists():
+    saved = out / "config.json"
+    # Presets change while the project evolves: reuse the cached base only if it still matches.
+    if saved.exists() and json.loads(saved.read_text()) == model_cfg.model_dump(mode="json"):
         return out
     params = jax.device_get(lora_lib.init_params(model_cfg, None, 0))
     save_model(out, params, model_cfg, tok, {"mode": "random-init", "purpose": "benchmark base"})

@@ -1,32 +1,40 @@
 #!/usr/bin/env bash
-# Stop what deployments/stack-up.sh started: each service's whole process group, worker first.
+# Stop what deployments/stack-up.sh started: each service's whole process group.
+# All groups are signalled at once, given $STACK_GRACE seconds together, then killed.
 #   deployments/stack-down.sh        (NEEDLE_STACK_DIR as for stack-up; state is kept)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${NEEDLE_STACK_DIR:-$ROOT/.state/stack}"
-GRACE="${STACK_GRACE:-15}"
+GRACE="${STACK_GRACE:-20}"
+SERVICES=(worker mlflow-server prefect-server)
 
-stop() {
-    local name=$1 pidfile="$STACK/pids/$1.pid"
-    [[ -f "$pidfile" ]] || return 0
-    local pgid
-    pgid="$(cat "$pidfile")"
-    # The worker turns SIGTERM into SIGINT and may linger: signal the group, then insist.
-    kill -TERM -- "-$pgid" 2>/dev/null
-    for _ in $(seq "$GRACE"); do
-        kill -0 -- "-$pgid" 2>/dev/null || break
-        sleep 1
-    done
-    if kill -0 -- "-$pgid" 2>/dev/null; then
-        kill -KILL -- "-$pgid" 2>/dev/null
+alive() { kill -0 -- "-$1" 2>/dev/null; }
+
+declare -A PGID
+for name in "${SERVICES[@]}"; do
+    pidfile="$STACK/pids/$name.pid"
+    [[ -f "$pidfile" ]] || continue
+    PGID[$name]="$(cat "$pidfile")"
+    # Prefect's worker ignores SIGINT when started from a script and maps SIGTERM to SIGINT:
+    # send both; the servers shut down on SIGTERM.
+    kill -INT -- "-${PGID[$name]}" 2>/dev/null
+    kill -TERM -- "-${PGID[$name]}" 2>/dev/null
+done
+
+for _ in $(seq "$GRACE"); do
+    any=0
+    for name in "${!PGID[@]}"; do alive "${PGID[$name]}" && any=1; done
+    ((any)) || break
+    sleep 1
+done
+
+for name in "${!PGID[@]}"; do
+    if alive "${PGID[$name]}"; then
+        kill -KILL -- "-${PGID[$name]}" 2>/dev/null
         echo "$name: killed after ${GRACE}s"
     else
         echo "$name: stopped"
     fi
-    rm -f "$pidfile"
-}
-
-stop worker
-stop mlflow-server
-stop prefect-server
+    rm -f "$STACK/pids/$name.pid"
+done

@@ -184,8 +184,7 @@ class Attention(_Layer):
         # Slot s is visible to a query at position p iff s <= p: later slots hold prompt
         # padding or stale values until this row's own steps overwrite them.
         mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, max_len]
-        dtype = k.dtype
-        return ck.value.astype(dtype), cv.value.astype(dtype), mask
+        return ck.value.astype(k.dtype), cv.value.astype(v.dtype), mask
 
 
 class Mlp(_Layer):
