@@ -127,7 +127,7 @@ class DataConfig(_Strict):
 class EvalConfig(_Strict):
     """Generation-based evaluation of emitted tool calls."""
 
-    max_new_tokens: int = Field(96, gt=0, description="token budget for each generated answer")
+    max_new_tokens: int = Field(64, gt=0, description="token budget for each generated answer")
     batch_size: int = Field(32, gt=0, description="rows decoded together")
     max_rows: int | None = Field(None, gt=0, description="cap on evaluated rows (None: the whole split)")
 

@@ -173,27 +173,12 @@ def generate_detailed(
 
 
 def generate(
-    model: Transformer,
-    params: Any,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    end_id: int,
-    pad_id: int,
-    batch_size: int,
-    overflow: Overflow = "error",
-) -> list[list[int]]:
+    model: Transformer, params: Any, prompts: list[list[int]], *, max_new_tokens: int, end_id: int, pad_id: int,
+    batch_size: int, overflow: Overflow = "error",
+) -> list[list[int]]:  # fmt: skip
     """Greedy continuation of each prompt, up to and excluding ``end_id`` (see the module doc)."""
-    return generate_detailed(
-        model,
-        params,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        end_id=end_id,
-        pad_id=pad_id,
-        batch_size=batch_size,
-        overflow=overflow,
-    ).ids
+    options = dict(max_new_tokens=max_new_tokens, end_id=end_id, pad_id=pad_id, batch_size=batch_size)
+    return generate_detailed(model, params, prompts, overflow=overflow, **options).ids
 
 
 @partial(jax.jit, static_argnames="model")

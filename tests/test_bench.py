@@ -1,0 +1,58 @@
+"""The benchmark: FLOP formulas, target verdicts, and the --quick smoke run's JSON keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.flops import flops_per_token
+from bench.report import evaluate_targets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_lora_flops_count_frozen_weights_without_weight_gradients() -> None:
+    full = flops_per_token(1000, 0, n_layers=2, d_model=8, vocab=16, seq_len=4, mode="full")
+    lora = flops_per_token(1000, 100, n_layers=2, d_model=8, vocab=16, seq_len=4, mode="lora")
+    assert full["weights"] == 6000 and lora["weights"] == 4000 + 600
+    assert full["attention"] == lora["attention"] == 6 * 2 * 4 * 8
+    assert full["output"] == 6 * 8 * 16 and lora["output"] == 4 * 8 * 16
+    assert lora["total"] == lora["weights"] + lora["attention"] + lora["output"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        flops_per_token(1, 0, 1, 1, 1, 1, "prefix")
+
+
+def test_targets_pass_miss_and_unmeasured() -> None:
+    result = {"train": {"small_lora": {"utilisation": 0.31}, "medium_lora": {"utilisation": 0.2}},
+              "compile": {"warm_over_cold": 0.5}, "pipeline": {"mlflow_logging_share": 0.001}}
+    verdicts = {t["name"]: t["verdict"] for t in evaluate_targets(result)}
+    assert verdicts["utilisation.small_lora"] == "pass"
+    assert verdicts["utilisation.medium_lora"] == "miss"
+    assert verdicts["compile.warm_over_cold"] == "miss"
+    assert verdicts["pipeline.mlflow_logging_share"] == "pass"
+    assert verdicts["cactus.wall_ratio"] == "n/a"
+
+
+@pytest.mark.slow
+def test_quick_run_writes_documented_keys(tmp_path: Path) -> None:
+    out = tmp_path / "latest.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "bench.run", "--quick", "--skip-cactus", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for key in ("schema_version", "machine", "peak", "train", "compile", "needle_style", "cactus",
+                "data_eval", "pipeline", "devices", "targets"):
+        assert key in result, key
+    assert result["peak"]["f32"]["gflops"] > 0
+    run = result["train"]["tiny_lora"]
+    assert run["status"] == "ok", run
+    assert run["padded_tokens_per_s"] >= run["real_tokens_per_s"] > 0
+    assert 0 < run["utilisation"] and run["flops_per_token"]["total"] > 0
+    assert result["cactus"] == {"status": "skipped", "reason": "--skip-cactus"}
+    assert "peak f32 matmul" in done.stdout
