@@ -199,10 +199,13 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     p = FinetuneParams(**{k: v for k, v in params.items() if v is not None})
-    from prefect.settings import PREFECT_HOME, temporary_settings
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    from prefect.context import SettingsContext
+    from prefect.settings import Settings
 
-    # Prefect read its settings at import; make sure this run uses the checkout's home.
-    with temporary_settings(updates={PREFECT_HOME: os.environ["PREFECT_HOME"]}):
+    # Prefect read its settings when it was imported; settings derived from PREFECT_HOME (the
+    # database, result storage) must be rebuilt from the environment set above.
+    with SettingsContext(profile=SettingsContext.get().profile, settings=Settings()):
         result = needle(p)
     uri = result["tracking_uri"]
     print(f"\nMLflow run {result['run_id']} (tracking URI {uri})")

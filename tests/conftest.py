@@ -19,6 +19,12 @@ def sample_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def bad_line() -> int:
+    """The 1-based line of ``bad_data`` that is broken."""
+    return BAD_LINE
+
+
+@pytest.fixture(scope="session")
 def bad_data(sample_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The new-tool rows with line BAD_LINE replaced by something that is not JSON."""
     lines = sample_data["new"].read_text(encoding="utf-8").splitlines(keepends=True)

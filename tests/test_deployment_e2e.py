@@ -14,8 +14,6 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import BAD_LINE
-
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -79,7 +77,7 @@ def _last_failed_message(env: dict[str, str]) -> str:
 
 
 def test_deployment_trains_tracks_registers_and_fails_cleanly(
-    stack: dict[str, str], tiny_flow_params: dict[str, Any], bad_data: Path
+    stack: dict[str, str], tiny_flow_params: dict[str, Any], bad_data: Path, bad_line: int
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -99,7 +97,7 @@ def test_deployment_trains_tracks_registers_and_fails_cleanly(
 
     bad = _run_deployment(stack, {**tiny_flow_params, "data": str(bad_data)})
     assert bad.returncode == 1, bad.stdout[-3000:]
-    assert f"{bad_data.name}:{BAD_LINE}:" in _last_failed_message(stack)
+    assert f"{bad_data.name}:{bad_line}:" in _last_failed_message(stack)
     (failed,) = client.search_runs([exp.experiment_id], "attributes.status = 'FAILED'")
-    assert f"{bad_data.name}:{BAD_LINE}:" in failed.data.tags["failure_reason"]
+    assert f"{bad_data.name}:{bad_line}:" in failed.data.tags["failure_reason"]
     assert len(client.search_model_versions("name = 'needle'")) == 1

@@ -8,19 +8,20 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import BAD_LINE
-
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def flow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A throwaway Prefect server, MLflow store and needle state dir; yields the tracking URI."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_MEMO_STORE_PATH, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
     root = tmp_path_factory.mktemp("flow")
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
+    # Cached task results and the memo store would otherwise land in ~/.prefect.
+    local = {PREFECT_LOCAL_STORAGE_PATH: root / "storage", PREFECT_MEMO_STORE_PATH: root / "memo_store.toml"}
+    with pytest.MonkeyPatch.context() as mp, temporary_settings(updates=local):
         mp.setenv("NEEDLE_STATE_DIR", str(root / "state"))
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.setenv("JAX_PLATFORMS", "cpu")
@@ -63,7 +64,7 @@ def test_flow_records_and_registers(flow_env: str, tiny_flow_params: dict[str, A
 
 
 def test_bad_dataset_fails_without_registering(
-    flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path
+    flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path, bad_line: int
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -72,10 +73,10 @@ def test_bad_dataset_fails_without_registering(
     from needle.errors import DataError
 
     before = len(_versions(flow_env))
-    with pytest.raises(DataError, match=rf"{bad_data.name}:{BAD_LINE}: "):
+    with pytest.raises(DataError, match=rf"{bad_data.name}:{bad_line}: "):
         needle(FinetuneParams(**{**tiny_flow_params, "data": str(bad_data)}))
     client = MlflowClient(tracking_uri=flow_env)
     exp = client.get_experiment_by_name("needle-local")
     (run,) = client.search_runs([exp.experiment_id], "attributes.status = 'FAILED'")
-    assert f"{bad_data.name}:{BAD_LINE}:" in run.data.tags["failure_reason"]
+    assert f"{bad_data.name}:{bad_line}:" in run.data.tags["failure_reason"]
     assert len(_versions(flow_env)) == before

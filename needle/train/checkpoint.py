@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from needle.config import flatten_config
@@ -91,7 +92,11 @@ class Checkpointer:
         if step in self._mngr.all_steps():
             return False
         record = {**meta, "step": step, "shuffle_position": step}
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_saved_tree(state)), meta=ocp.args.JsonSave(record))
+        # Orbax reads CPU arrays zero-copy while it writes in the background, and the loop
+        # donates these buffers to the next step, which overwrites them in place: save a
+        # private device copy so the checkpoint holds exactly this step.
+        tree = jax.tree.map(jnp.copy, _saved_tree(state))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(record))
         saved = self._mngr.save(step, args=args, force=True)
         log.debug("checkpoint step %d -> %s", step, self.directory)
         return bool(saved)
