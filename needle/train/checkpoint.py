@@ -92,9 +92,9 @@ class Checkpointer:
         if step in self._mngr.all_steps():
             return False
         record = {**meta, "step": step, "shuffle_position": step}
-        # Orbax reads CPU arrays zero-copy while it writes in the background, and the loop
-        # donates these buffers to the next step, which overwrites them in place: save a
-        # private device copy so the checkpoint holds exactly this step.
+        # Orbax keeps zero-copy host views of CPU arrays while it writes in the background;
+        # those views would stop the loop's next step from reusing (donating) these buffers.
+        # Hand orbax a private copy so the live state stays donatable and the file is this step.
         tree = jax.tree.map(jnp.copy, _saved_tree(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(record))
         saved = self._mngr.save(step, args=args, force=True)

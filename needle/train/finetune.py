@@ -64,11 +64,11 @@ def initial_params(
     lora_cfg: LoraConfig | None,
     base_model_dir: str | Path | None,
     settings: BackendSettings,
-) -> tuple[ModelConfig, Any]:
-    """The model config and starting params for the mode (base weights, with fresh adapters for lora)."""
+) -> Any:
+    """Starting params for the mode: random (scratch), the base (full), base + fresh adapters (lora)."""
     mode = train_cfg.mode
     if mode == "scratch":
-        return model_cfg, lora_lib.init_params(model_cfg, None, train_cfg.seed, settings)
+        return lora_lib.init_params(model_cfg, None, train_cfg.seed, settings)
     if base_model_dir is None:
         raise ValueError(f"mode {mode!r} trains on top of a base model: pass base_model_dir")
     base = load_model(base_model_dir)
@@ -80,11 +80,22 @@ def initial_params(
             "pass the base's config (load_model(dir).model_cfg)"
         )
     if mode == "full":
-        return model_cfg, base.params
+        return base.params
     if lora_cfg is None:
         raise ValueError("mode 'lora' needs a LoraConfig")
     fresh = lora_lib.init_params(model_cfg, lora_cfg, train_cfg.seed, settings)
-    return model_cfg, lora_lib.attach_base(fresh, base.params)
+    return lora_lib.attach_base(fresh, base.params)
+
+
+def make_plans(
+    prepared: PreparedData, train_cfg: TrainConfig, max_len: int, pad_id: int
+) -> tuple[BatchPlan, BatchPlan | None]:
+    """The training plan and, when the split has rows, the validation plan."""
+    if "train" not in prepared.splits or not len(prepared.splits["train"]):
+        raise ValueError(f"prepared data {prepared.fingerprint} has no training rows")
+    args = (train_cfg.batch_size, max_len, train_cfg.seed, pad_id)
+    val = prepared.splits.get("val")
+    return BatchPlan(prepared.splits["train"], *args), BatchPlan(val, *args) if val is not None and len(val) else None
 
 
 def _tokenizer_record(tokenizer: Tokenizer, out_dir: Path) -> tuple[str, str]:
@@ -118,7 +129,7 @@ def run_training(
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")
     lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
 
-    model_cfg, params = initial_params(model_cfg, train_cfg, lora_cfg, base_model_dir, settings)
+    params = initial_params(model_cfg, train_cfg, lora_cfg, base_model_dir, settings)
     trainable, frozen = lora_lib.split_trainable(params, train_cfg.mode)
     model = Transformer(model_cfg, lora_cfg, settings)
     state = create_state(
@@ -127,25 +138,17 @@ def run_training(
     )  # fmt: skip
 
     tok_path, tok_sha = _tokenizer_record(tokenizer, out)
-    meta = build_meta(
-        fingerprint=prepared.fingerprint,
-        configs={
-            "model": model_cfg.model_dump(mode="json", exclude={"preset"}),
-            "train": train_cfg.model_dump(mode="json", exclude=_CADENCE_FIELDS),
-            "optim": optim_cfg,
-            "lora": lora_cfg,
-        },
-        tokenizer_sha256=tok_sha,
-        tokenizer_path=tok_path,
-    )
+    configs = {
+        "model": model_cfg.model_dump(mode="json", exclude={"preset"}),
+        "train": train_cfg.model_dump(mode="json", exclude=_CADENCE_FIELDS),
+        "optim": optim_cfg,
+        "lora": lora_cfg,
+    }
+    meta = build_meta(fingerprint=prepared.fingerprint, configs=configs, tokenizer_sha256=tok_sha, tokenizer_path=tok_path)
     mesh = make_mesh()
-    if train_cfg.batch_size % data_size(mesh):
-        raise ValueError(
-            f"batch_size={train_cfg.batch_size} does not divide across {data_size(mesh)} devices"
-        )
-    plan = BatchPlan(prepared.splits["train"], train_cfg.batch_size, model_cfg.max_len, train_cfg.seed, tokenizer.pad_id)
-    val = prepared.splits.get("val")
-    val_plan = BatchPlan(val, train_cfg.batch_size, model_cfg.max_len, train_cfg.seed, tokenizer.pad_id) if val is not None and len(val) else None
+    if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
+        raise ValueError(f"batch_size={train_cfg.batch_size} does not divide across {data_size(mesh)} devices")
+    plan, val_plan = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id)
 
     tracker.log_params({
         **flatten_config(model_cfg, "model."), **flatten_config(train_cfg, "train."),

@@ -41,7 +41,7 @@ class TrainState(struct.PyTreeNode):
     trainable: PyTree
     frozen: PyTree
     opt_state: optax.OptState
-    rng: jax.Array  # raw uint32[2] key (orbax-serialisable), folded with the step for any sampling
+    rng: jax.Array  # raw uint32[2] key (orbax-serialisable); checkpointed so a resume keeps any sampling exact
     # Static fields compare by value (a hashable apply_fn, an Optimizer described by its config),
     # so equal configs reuse the compiled step, e.g. after a resume in the same process.
     apply_fn: ApplyFn = struct.field(pytree_node=False)

@@ -44,6 +44,7 @@ def assert_trees_equal(a, b) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # builds the LoRA model's params
 def test_round_trip_restores_params_optimizer_step_and_rng(tmp_path: Path) -> None:
     template = make_state("lora")
     saved = perturbed(template, 3)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 from train_worker import collect_losses
 
 from needle.train.sharding import DATA_AXIS, make_mesh, replicate, shard_batch
@@ -21,7 +22,7 @@ def test_mesh_sharded_batch_and_replicated_tree() -> None:
     mesh = make_mesh()
     assert mesh.axis_names == (DATA_AXIS,) and mesh.size >= 1
     batch = shard_batch({"inputs": np.arange(8 * 4, dtype=np.int32).reshape(8, 4)}, mesh)
-    assert batch["inputs"].sharding.spec == (DATA_AXIS,)
+    assert batch["inputs"].sharding.spec == PartitionSpec(DATA_AXIS)
     np.testing.assert_array_equal(np.asarray(batch["inputs"]), np.arange(32).reshape(8, 4))
     tree = replicate({"w": np.ones((3, 3), np.float32)}, mesh)
     assert tree["w"].sharding.is_fully_replicated

@@ -55,6 +55,7 @@ def test_metrics_are_finite_and_count_loss_tokens() -> None:
     assert values["grad_norm"] > 0
 
 
+@pytest.mark.slow  # two more compilations of the step
 def test_grad_accumulation_equals_one_big_batch() -> None:
     batch = make_plan(batch_size=4).batch(0)
     # Rows carry different numbers of loss tokens, so a per-micro-batch mean would differ.
