@@ -46,7 +46,8 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
     base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
-    model_cfg, params = initial_params(model_preset(preset), train_cfg, lora_cfg, base_dir, settings)
+    model_cfg = model_preset(preset)
+    params = initial_params(model_cfg, train_cfg, lora_cfg, base_dir, settings)
     trainable, frozen = lora_lib.split_trainable(params, mode)
     model = Transformer(model_cfg, lora_cfg, settings)
     state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), steps, seed=0)
