@@ -1,9 +1,9 @@
 """Fixed-shape, bucketed, seeded batches from a prepared split.
 
 Each row becomes ``inputs = ids[:-1]``, ``targets = ids[1:]``, ``mask = loss_mask[1:]``,
-padded to a bucket length ``T`` (a power of two >= 16, capped at ``max_len``; ``max_len``
-itself is the last bucket). A batch holds rows of one bucket, so XLA compiles one program
-per bucket, not per length. A ragged batch is filled with all-padding rows (mask 0).
+padded to a bucket length ``T`` (16, 32, 64, 96, 128, 192, ...: powers of two and, from 64,
+the 3/2 steps between them, capped at ``max_len``; ``max_len`` itself is the last bucket). A
+batch holds rows of one bucket, so XLA compiles one program per bucket, not per length. A ragged batch is filled with all-padding rows (mask 0).
 
 ``batch(step)`` is a pure function of ``step``: epoch ``step // steps_per_epoch`` uses a
 numpy Generator seeded by ``(seed, epoch)`` to permute rows and to order the batches, so a
@@ -26,11 +26,15 @@ Batch = dict[str, np.ndarray]
 
 
 def bucket_sizes(max_len: int) -> list[int]:
-    """All bucket lengths for ``max_len``: 16, 32, 64, ... below it, then ``max_len``."""
+    """All bucket lengths for ``max_len``: 16, 32, 64, 96, 128, 192, 256, ... below it, then ``max_len``."""
+    # From 64 up, a 3/2 step between powers of two: tool-calling rows (~150 tokens) would
+    # otherwise pad to 256 and waste a third of every step; a few more compiled shapes are cheaper.
     sizes = []
     b = MIN_BUCKET
     while b < max_len:
         sizes.append(b)
+        if b >= 64 and b * 3 // 2 < max_len:
+            sizes.append(b * 3 // 2)
         b *= 2
     return sizes + [max_len]
 

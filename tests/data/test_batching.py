@@ -25,16 +25,17 @@ def _row_ids(batch: dict[str, np.ndarray]) -> list[int]:
 
 
 def test_buckets() -> None:
-    assert bucket_sizes(256) == [16, 32, 64, 128, 256]
-    assert bucket_sizes(200) == [16, 32, 64, 128, 200]
-    assert [bucket_for(n, 200) for n in (1, 16, 17, 129, 200)] == [16, 16, 32, 200, 200]
+    assert bucket_sizes(256) == [16, 32, 64, 96, 128, 192, 256]
+    assert bucket_sizes(200) == [16, 32, 64, 96, 128, 192, 200]
+    assert bucket_sizes(96) == [16, 32, 64, 96]
+    assert [bucket_for(n, 200) for n in (1, 16, 17, 65, 129, 193, 200)] == [16, 16, 32, 96, 192, 200, 200]
     with pytest.raises(ValueError, match="exceeds max_len"):
         bucket_for(201, 200)
 
 
 def test_batches_have_fixed_shapes_and_shifted_targets() -> None:
     plan = BatchPlan(_split(LENGTHS), batch_size=4, max_len=128, seed=0, pad_id=PAD)
-    assert plan.steps_per_epoch == 6  # buckets 16:4 rows, 32:5, 64:4, 128:6 -> 1+2+1+2
+    assert plan.steps_per_epoch == 6  # buckets 16:6 rows, 32:4, 64:4, 96:2, 128:3 -> 2+1+1+1+1
     for step in range(plan.steps_per_epoch):
         b = plan.batch(step)
         B, T = b["inputs"].shape
