@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from prefect import flow, runtime
+# Training progress is logged by the `needle` logger; Prefect forwards it to the run's logs
+# when this is set before Prefect configures logging (prefect.yaml sets it for worker runs).
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "needle")
+
+from prefect import flow, runtime  # noqa: E402
 from prefect.artifacts import create_markdown_artifact
 
 from flows import run_record as rec

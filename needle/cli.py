@@ -13,6 +13,7 @@ Heavy imports (jax, datasets, prefect) happen inside each command so `needle --h
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import sys
 from collections.abc import Sequence
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_finetune)
 
     p = sub.add_parser("evaluate", help="score the tool calls a model emits on a dataset")
-    p.add_argument("checkpoint", help="exported model directory")
+    p.add_argument("checkpoint", help="exported model directory or models:/needle/<version>")
     p.add_argument("data", help="JSONL path or glob")
     p.add_argument("--out", default=None, help="report directory (default: <checkpoint>/../eval)")
     p.add_argument("--max-rows", type=int, default=None)
@@ -146,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from needle.errors import NeedleError
 
     args = build_parser().parse_args(argv)
+    if args.command != "finetune":  # the flow routes needle's log lines through Prefect's logging
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        logging.getLogger("needle").setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
     except NeedleError as exc:

@@ -32,8 +32,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|call|>",
 )
 TOKENIZER_FILE = "tokenizer.json"
-# A word (or number) with the punctuation that follows it, a punctuation run, or whitespace.
-PRE_TOKEN_PATTERN = r" ?\p{L}+[^\s\p{L}\p{N}]*| ?\p{N}+[^\s\p{L}\p{N}]*| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# A word with the punctuation that follows it, a single digit, a punctuation run, or whitespace.
+# Digits stay single tokens: a small model copies "K33026" or "472.18" from the query into the
+# call far more reliably when every number is spelt the same way, digit by digit.
+PRE_TOKEN_PATTERN = r" ?\p{L}+[^\s\p{L}\p{N}]*| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
 class Tokenizer:

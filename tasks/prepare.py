@@ -56,7 +56,9 @@ def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> Optional[
     return f"prepare-{key}" if (Path(parameters["out_root"]) / key / _DONE).exists() else None
 
 
-@task(name="prepare", cache_key_fn=_cache_key, result_serializer="json", persist_result=True)
+# log_prints off: datasets fingerprints functions with dill, which captures dis.dis output from
+# stdout; the flow's log_prints would turn those bytecode listings into log lines.
+@task(name="prepare", cache_key_fn=_cache_key, result_serializer="json", persist_result=True, log_prints=False)
 def prepare(data_cfg: DataConfig, out_root: str, tokenizer_from: Optional[str] = None, vocab_size: int = 0) -> str:
     """Validate, tokenize (base model's tokenizer, or a new one), split and save; return the dir."""
     from needle.data.prepare import PreparedData, prepare_dataset

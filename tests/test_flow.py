@@ -63,6 +63,37 @@ def test_flow_records_and_registers(flow_env: str, tiny_flow_params: dict[str, A
     assert result["model_version"]["version"] == str(version.version)
 
 
+def test_predict_from_registry_uri(
+    flow_env: str, sample_data: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """`needle predict models:/needle/<v>` downloads that version and answers like its directory."""
+    import json
+
+    from needle.cli import main
+    from needle.registry import resolve_model_dir
+
+    versions = _versions(flow_env)
+    assert versions, "test_flow_records_and_registers registers a version first"
+    latest = max(int(v.version) for v in versions)
+    monkeypatch.setenv("NEEDLE_CACHE_DIR", str(tmp_path / "cache"))
+    local = resolve_model_dir(f"models:/needle/{latest}")
+    assert Path(local).is_relative_to(tmp_path / "cache")
+    assert {"config.json", "tokenizer.json", "params"} <= {p.name for p in Path(local).iterdir()}
+
+    row = json.loads(sample_data["new"].read_text().splitlines()[0])
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(row["tools"]))
+    printed = []
+    for ckpt in (f"models:/needle/{latest}", local):
+        assert main(["predict", ckpt, "--tools", str(tools), "--query", row["query"]]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and json.loads(printed[0])
+    for bad in (f"models:/needle/{latest + 100}", "models:/needle"):
+        assert main(["predict", bad, "--tools", str(tools), "--query", "x"]) == 2
+        assert bad in capsys.readouterr().err
+
+
 def test_bad_dataset_fails_without_registering(
     flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path, bad_line: int
 ) -> None:

@@ -326,7 +326,7 @@ def write_rows(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     return out
 
 
-def write_sample(out_dir: str | Path, seed: int = 0, n_base: int = 3000, n_new: int = 1200) -> dict[str, Path]:
+def write_sample(out_dir: str | Path, seed: int = 0, n_base: int = 12000, n_new: int = 4000) -> dict[str, Path]:
     """Write ``base.jsonl`` and ``new.jsonl`` under ``out_dir``; returns their paths."""
     d = Path(out_dir)
     return {
@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory for base.jsonl and new.jsonl")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-base", type=int, default=3000)
-    parser.add_argument("--n-new", type=int, default=1200)
+    parser.add_argument("--n-base", type=int, default=12000)
+    parser.add_argument("--n-new", type=int, default=4000)
     args = parser.parse_args(argv)
     paths = write_sample(args.out_dir, args.seed, args.n_base, args.n_new)
     for part, path in paths.items():

@@ -23,6 +23,7 @@ from needle.config import EvalConfig
 from needle.data.render import compact_json, render_prompt
 from needle.data.schema import Row, parse_row
 from needle.errors import NeedleError
+from needle.registry import is_registry_uri, resolve_model_dir
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.evaluate import evaluate_model, resolve_model
 from needle.eval.parse import parse_calls
@@ -109,7 +110,7 @@ def run_predict_cli(model_dir: str, tools_path: str, queries: list[str]) -> int:
     """`needle predict`: one JSON line per query on stdout; 2 on a bad tools file, query or model."""
     try:
         tools = read_tools(tools_path)
-        results = predict(model_dir, tools, queries)
+        results = predict(resolve_model_dir(model_dir), tools, queries)
     except (ValueError, FileNotFoundError, NeedleError) as exc:
         print(f"needle predict: {exc}", file=sys.stderr)
         return 2
@@ -121,18 +122,21 @@ def run_predict_cli(model_dir: str, tools_path: str, queries: list[str]) -> int:
 def run_evaluate_cli(model_dir: str, data_source: str, out_dir: str | None, max_rows: int | None) -> int:
     """`needle evaluate`: read rows, evaluate, print the metrics table, write the report.
 
-    ``out_dir`` defaults to ``<model_dir>/../eval``. Returns 2 (reason on stderr) on bad data or
+    ``model_dir`` may be a ``models:/`` registry URI. ``out_dir`` defaults to
+    ``<model_dir>/../eval`` (``./eval`` for a registry URI). Returns 2 (reason on stderr) on bad data or
     a missing or mismatched model.
     """
     from needle.data.load import read_rows
 
     try:
         rows, _ = read_rows(data_source, on_error="fail")
-        result = evaluate_model(model_dir, rows, EvalConfig(max_rows=max_rows))
+        local_dir = resolve_model_dir(model_dir)
+        result = evaluate_model(local_dir, rows, EvalConfig(max_rows=max_rows))
     except (FileNotFoundError, NeedleError) as exc:
         print(f"needle evaluate: {exc}", file=sys.stderr)
         return 2
-    target = Path(out_dir) if out_dir else Path(model_dir).absolute().parent / "eval"
+    default = Path("eval") if is_registry_uri(model_dir) else Path(local_dir).absolute().parent / "eval"
+    target = Path(out_dir) if out_dir else default
     paths = write_report(result, target)
     print(format_table(result.metrics))
     print(f"{result.metrics['n']} rows in {result.wall_s:.1f} s ({result.rows_per_s:.1f} rows/s decoding)")

@@ -18,7 +18,7 @@ def test_bundled_sample_regenerates_byte_identical_and_validates(tmp_path: Path)
         assert paths[part].read_bytes() == (BUNDLED / f"{part}.jsonl").read_bytes(), part
     report = validate_source(str(BUNDLED / "*.jsonl"))
     assert report.ok, report.issues[:3]
-    assert (report.n_rows, report.n_files) == (4200, 2)
+    assert (report.n_rows, report.n_files) == (16000, 2)
 
 
 def test_catalogue_is_large_typed_and_split() -> None:
