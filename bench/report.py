@@ -15,6 +15,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "cactus.wall_ratio": (4.0, ">="),
     "compile.warm_over_cold": (0.20, "<="),
     "pipeline.mlflow_logging_share": (0.01, "<="),
+    "pipeline.flow_overhead_ratio": (0.10, "<="),
 }
 
 

@@ -7,7 +7,8 @@ Sections (each in its own subprocess; a failed one is recorded, never fatal): ``
 (f32 matmul limit), ``train`` (small/medium x lora/full step time, tokens/s, FLOPs,
 utilisation, input wait), ``compile`` (cold vs warm persistent cache), ``needle_style``,
 ``cactus`` (the real cactus-needle finetune_local in .cache/bench-venv), ``data_eval``,
-``pipeline`` (MLflow logging share; flow keys are filled by the flow benchmark),
+``pipeline`` (MLflow logging share, and bench/pipeline.py: embedded flow vs bare library,
+``prefect deployment run`` to first step),
 ``devices`` (1/2/4/8 virtual CPU devices). ``--quick`` runs peak and one tiny train config
 in-process (a smoke test). Every key is documented in docs/benchmark.md.
 """
@@ -150,6 +151,19 @@ def bench_pipeline(train: dict[str, Any]) -> dict[str, Any]:
         m = run_task("mlflow", {"step_s": step_s, "steps": 200, "log_every": 10})
         out["mlflow"] = m
         out["mlflow_logging_share"] = m.get("share_of_step_time")
+    # The flow figures come from bench/pipeline.py (embedded flow vs bare library, deployment latency).
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        target = Path(tmp) / "pipeline.json"
+        done = subprocess.run([sys.executable, "-m", "bench.pipeline", "--deployment", "--out", str(target)],
+                              cwd=REPO, capture_output=True, text=True, timeout=3600)
+        if target.exists():
+            flow = json.loads(target.read_text())
+            out.update({k: flow.get(k) for k in ("flow_wall_s", "bare_library_wall_s", "flow_overhead_ratio",
+                                                   "deployment_to_first_step_s")})
+            out["flow"] = flow
+        else:
+            out["status"] = "failed"
+            out["error"] = f"bench.pipeline exited {done.returncode}: {done.stderr[-800:]}"
     return out
 
 

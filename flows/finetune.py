@@ -16,6 +16,7 @@ Deployed: see prefect.yaml and deployments/stack-up.sh.
 import argparse
 import hashlib
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -26,16 +27,19 @@ from typing import Any, Optional
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "needle")
 
 from prefect import flow, runtime  # noqa: E402
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact  # noqa: E402
 
-from flows import run_record as rec
-from flows.params import FinetuneParams, resolve_source
-from needle.config import DataConfig, ModelConfig, model_preset
-from tasks.evaluate import evaluate
-from tasks.prepare import TOKENIZER_SUBDIR, hash_source, prepare
-from tasks.probe import probe
-from tasks.register import register
-from tasks.train import finetune
+from flows import run_record as rec  # noqa: E402
+from flows.params import FinetuneParams, resolve_source  # noqa: E402
+from needle.config import DataConfig, ModelConfig, model_preset  # noqa: E402
+from tasks.evaluate import evaluate  # noqa: E402
+from tasks.prepare import TOKENIZER_SUBDIR, hash_source, prepare  # noqa: E402
+from tasks.probe import probe  # noqa: E402
+from tasks.register import register  # noqa: E402
+from tasks.train import finetune  # noqa: E402
+
+# Prefect attaches its handlers to extra loggers but leaves their level at WARNING (root's).
+logging.getLogger("needle").setLevel(logging.INFO)
 
 SUMMARY_KEY = "needle-run-summary"
 
