@@ -3,7 +3,8 @@
 Finds the two newest FINISHED runs of an experiment through the tracking API, checks they
 share the same param and metric keys, opens ``#/compare-runs`` in headless Chromium (Debian's
 ``chromium`` package: ``apt-get install chromium``), and checks the rendered page shows both
-runs and the shared keys. Writes a screenshot next to the DOM dump.
+runs and shared keys (its tables scroll, so only keys near the top are probed). Writes a
+screenshot next to the DOM dump.
 
     source .state/stack/env.sh
     python deployments/check_compare_ui.py [--experiment needle/finetune] [--out .state/ui-check]
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     _chromium([f"--screenshot={(out / 'compare.png').resolve()}"], url)
     names = [r.info.run_name for r in runs]
     probes = {**{f"run {n}": n for n in names}, "param train.steps": "train.steps", "param lora.rank": "lora.rank",
-              "metric tuned_exact_match": "tuned_exact_match", "metric val_loss": "val_loss"}
+              "metric base_exact_match": "base_exact_match", "metric base/val_loss": "base/val_loss"}
     shown = {label: text in dom for label, text in probes.items()}
     report = {"url": url, "runs": ids, "same_param_keys": same_params, "same_metric_keys": same_metrics,
               "n_params": len(a.data.params), "n_metrics": len(a.data.metrics), "shown_in_page": shown,

@@ -75,11 +75,30 @@ def ensure_base(params: FinetuneParams, state: Path, run_id: str, uri: str) -> t
     base_dir = state / "base" / _digest(hash_source(data_cfg.source), model_cfg, train_cfg, optim_cfg, data_cfg.max_len)
     marker = base_dir / "base.json"
     if marker.exists() and Path(json.loads(marker.read_text())["model_dir"]).exists():
-        return json.loads(marker.read_text())["model_dir"], {"cached": True}
+        cached = json.loads(marker.read_text())
+        replay_base_record(cached, run_id, uri)
+        return cached["model_dir"], {"cached": True, "history": cached.get("history", [])}
     prepared_dir = prepare(data_cfg, str(state / "prepared"), None, model_cfg.vocab_size)
     out = finetune(prepared_dir, model_cfg, train_cfg, optim_cfg, None, None, str(base_dir), run_id, uri, "base/")
-    marker.write_text(json.dumps({"model_dir": out["model_dir"], "fingerprint": out["fingerprint"]}))
+    from mlflow.tracking import MlflowClient
+
+    logged = MlflowClient(tracking_uri=uri).get_run(run_id).data.params
+    marker.write_text(json.dumps({"model_dir": out["model_dir"], "fingerprint": out["fingerprint"],
+                                  "params": {k: v for k, v in logged.items() if k.startswith("base/")},
+                                  "history": out.get("history", [])}, default=str))
     return out["model_dir"], {"cached": False, **out}
+
+
+def replay_base_record(cached: dict[str, Any], run_id: str, uri: str) -> None:
+    """Log a cached base's params and training curve again, so every run has the same keys."""
+    from needle.tracking import MlflowTracker
+
+    tracker = MlflowTracker(run_id, uri, terminate_on_finish=False)
+    tracker.log_params(cached.get("params", {}))
+    for record in cached.get("history", []):
+        values = {f"base/{k}": float(v) for k, v in record.items() if isinstance(v, (int, float))}
+        tracker.log_metrics(values, step=int(record["step"]))
+    tracker.finish()
 
 
 def run_pipeline(params: FinetuneParams, state: Path, run_id: str, uri: str, client: Any) -> dict[str, Any]:

@@ -63,6 +63,32 @@ def test_flow_records_and_registers(flow_env: str, tiny_flow_params: dict[str, A
     assert result["model_version"]["version"] == str(version.version)
 
 
+def test_rerun_on_cached_base_logs_the_same_keys(flow_env: str, tiny_flow_params: dict[str, Any]) -> None:
+    """A second run reuses the base but records its params and curve, so runs compare key by key."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+
+    result = needle(FinetuneParams(**{**tiny_flow_params, "lora": {"rank": 8}}))
+    client = MlflowClient(tracking_uri=flow_env)
+    second = client.get_run(result["run_id"])
+    assert second.data.tags["base_cached"] == "True"
+    exp = client.get_experiment_by_name("needle-local")
+    (first,) = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'")
+                if r.data.tags.get("base_cached") == "False"]
+    assert set(second.data.params) == set(first.data.params)
+    # system/* come from MLflow's sampling thread every 10 s: present or not by timing in a tiny run.
+    def trained(run: Any) -> set[str]:
+        return {k for k in run.data.metrics if not k.startswith("system/")}
+
+    assert trained(second) == trained(first)
+    assert second.data.params["base/train.steps"] == first.data.params["base/train.steps"] == "4"
+    assert second.data.params["lora.rank"] == "8"
+    base_curve = [m.step for m in client.get_metric_history(second.info.run_id, "base/loss")]
+    assert sorted(base_curve) == sorted(m.step for m in client.get_metric_history(first.info.run_id, "base/loss"))
+
+
 def test_predict_from_registry_uri(
     flow_env: str, sample_data: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
