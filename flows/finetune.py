@@ -236,6 +236,8 @@ def run_embedded(**params: Any) -> dict[str, Any]:
         result = needle(p)
     uri = result["tracking_uri"]
     print(f"\nMLflow run {result['run_id']} (tracking URI {uri})")
+    version = (result.get("model_version") or {}).get("version")
+    print(f"Tuned model: {result['model_dir']}" + (f"  (registered: models:/needle/{version})" if version else ""))
     if not uri.startswith("http"):
         print(f"Browse it: mlflow ui --backend-store-uri {uri}  then open "
               f"{rec.ui_link(uri, result['experiment_id'], result['run_id'])}")
