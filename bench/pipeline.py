@@ -151,6 +151,8 @@ def measure_deployment(base: Path, steps: int) -> dict[str, Any]:
                                if len(w) == 36 and w.count("-") == 4)
             _, first_step = _first_step_time(env["MLFLOW_TRACKING_URI"], int(t0 * 1000) - 1000, 900)
             times = _prefect_times(env, flow_run_id)
+            # Only the latency was wanted: stop the run (stack-down also stops leftover flow runs).
+            subprocess.run(["prefect", "flow-run", "cancel", flow_run_id], env=env, capture_output=True, cwd=REPO)
         finally:
             subprocess.run([str(REPO / "deployments" / "stack-down.sh")], env=env, capture_output=True)
     return {"deployment_to_running_s": times["flow_start"] - t0,

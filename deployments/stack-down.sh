@@ -11,6 +11,17 @@ SERVICES=(worker mlflow-server prefect-server)
 
 alive() { kill -0 -- "-$1" 2>/dev/null; }
 
+# Flow runs the worker started run in sessions of their own, outside the worker's group: stop
+# those that talk to this stack's API (read from each process's environment) first.
+API_URL="$(sed -n 's/.*PREFECT_API_URL="\([^"]*\)".*/\1/p' "$STACK/env.sh" 2>/dev/null | head -n 1)"
+if [[ -n "$API_URL" ]]; then
+    for pid in $(pgrep -f "prefect.engine" || true); do
+        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "PREFECT_API_URL=$API_URL"; then
+            kill -TERM "$pid" 2>/dev/null && echo "flow run process $pid: stopped"
+        fi
+    done
+fi
+
 declare -A PGID
 for name in "${SERVICES[@]}"; do
     pidfile="$STACK/pids/$name.pid"

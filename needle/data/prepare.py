@@ -61,9 +61,12 @@ class PreparedData:
         """Write each split with ``save_to_disk`` and ``meta.json``; returns the directory."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
+        # datasets cannot load back an empty saved split: record empty ones in meta.json instead.
+        empty = [name for name, ds in self.splits.items() if len(ds) == 0]
         for name, ds in self.splits.items():
-            ds.save_to_disk(str(path / name))
-        meta = {"fingerprint": self.fingerprint, "stats": self.stats, "splits": list(self.splits)}
+            if name not in empty:
+                ds.save_to_disk(str(path / name))
+        meta = {"fingerprint": self.fingerprint, "stats": self.stats, "splits": list(self.splits), "empty": empty}
         (path / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         return path
 
@@ -71,8 +74,15 @@ class PreparedData:
     def load(cls, directory: str | Path) -> "PreparedData":
         path = Path(directory)
         meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-        splits = {name: datasets.load_from_disk(str(path / name)) for name in meta["splits"]}
+        empty = set(meta.get("empty", []))
+        splits = {name: _empty_split() if name in empty else datasets.load_from_disk(str(path / name))
+                  for name in meta["splits"]}
         return cls(splits=splits, fingerprint=meta["fingerprint"], stats=meta["stats"])
+
+
+def _empty_split() -> datasets.Dataset:
+    """A split with no rows but all the columns (``from_list([])`` would lose them)."""
+    return datasets.Dataset.from_dict({k: [] for k in FEATURES}, features=FEATURES)
 
 
 def collect_texts(rows: list[Row]) -> list[str]:
@@ -160,7 +170,8 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
     splits: dict[str, datasets.Dataset] = {}
     tokens: dict[str, dict[str, int]] = {}
     for name, idx in parts.items():
-        splits[name] = datasets.Dataset.from_list([_record(rows[i], examples[i]) for i in idx], features=FEATURES)
+        records = [_record(rows[i], examples[i]) for i in idx]
+        splits[name] = datasets.Dataset.from_list(records, features=FEATURES) if records else _empty_split()
         tokens[name] = {
             "total": sum(len(examples[i].ids) for i in idx),
             "target": sum(sum(examples[i].loss_mask) for i in idx),

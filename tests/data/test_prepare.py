@@ -106,3 +106,11 @@ def test_save_and_load_round_trip(source: Path, tmp_path: Path, data_tokenizer: 
     assert back.fingerprint == data.fingerprint and back.stats == data.stats
     for name, ds in data.splits.items():
         assert back.splits[name]["ids"] == ds["ids"] and back.splits[name]["source"] == ds["source"]
+
+
+def test_a_zero_fraction_gives_an_empty_split_with_the_columns(source: Path, tmp_path: Path, data_tokenizer: Tokenizer) -> None:
+    data = prepare_dataset(DataConfig(source=str(source), test_fraction=0.0), data_tokenizer)
+    assert len(data.splits["test"]) == 0
+    assert data.splits["test"].column_names == data.splits["train"].column_names
+    data.save(tmp_path / "p")
+    assert len(PreparedData.load(tmp_path / "p").splits["test"]) == 0
