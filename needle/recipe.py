@@ -21,7 +21,7 @@ from needle.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, Trai
 _MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "scratch": {"train": dict(steps=600, batch_size=32), "optim": dict(lr=3e-3, warmup_steps=50)},
     "full": {"train": dict(steps=300, batch_size=32), "optim": dict(lr=1e-3, warmup_steps=20)},
-    "lora": {"train": dict(steps=300, batch_size=32), "optim": dict(lr=5e-3, warmup_steps=20)},
+    "lora": {"train": dict(steps=600, batch_size=32), "optim": dict(lr=5e-3, warmup_steps=20)},
 }
 
 
