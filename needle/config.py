@@ -135,7 +135,7 @@ class EvalConfig(_Strict):
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: seconds to compile and run.
     "tiny": dict(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=256),
-    # CPU default, the main job's model (about 15 minutes for base + LoRA + eval on 2 cores).
+    # CPU default, the main job's model (about 18 minutes for base + LoRA + eval on 2 cores).
     # max_len 320: with the base's tokenizer about 0.3 % of the new-tool rows exceed 256 tokens.
     "small": dict(vocab_size=1024, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384, max_len=320),
     # About 4x small's compute per token; the benchmark's "larger" config.

@@ -17,7 +17,7 @@ from typing import Any
 from needle.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig, model_preset
 
 # Training defaults per mode, tuned on the bundled sample data with the `small` preset on 2 CPU
-# cores: a scratch base needs many more steps than an adapter on top of it.
+# cores. LoRA 600 steps: on the new tools, 300 steps gave exact match 0.57, 600 gave 0.695.
 _MODE_DEFAULTS: dict[str, dict[str, Any]] = {
     "scratch": {"train": dict(steps=600, batch_size=32), "optim": dict(lr=3e-3, warmup_steps=50)},
     "full": {"train": dict(steps=300, batch_size=32), "optim": dict(lr=1e-3, warmup_steps=20)},
