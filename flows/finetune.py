@@ -84,20 +84,19 @@ def ensure_base(params: FinetuneParams, state: Path, run_id: str, uri: str) -> t
 
     logged = MlflowClient(tracking_uri=uri).get_run(run_id).data.params
     marker.write_text(json.dumps({"model_dir": out["model_dir"], "fingerprint": out["fingerprint"],
-                                  "params": {k: v for k, v in logged.items() if k.startswith("base/")},
+                                  "params": {k[len("base/"):]: v for k, v in logged.items() if k.startswith("base/")},
                                   "history": out.get("history", [])}, default=str))
     return out["model_dir"], {"cached": False, **out}
 
 
 def replay_base_record(cached: dict[str, Any], run_id: str, uri: str) -> None:
     """Log a cached base's params and training curve again, so every run has the same keys."""
-    from needle.tracking import MlflowTracker
+    from tasks.train import make_tracker
 
-    tracker = MlflowTracker(run_id, uri, terminate_on_finish=False)
+    tracker = make_tracker(run_id, uri, "base/")  # the prefix the base's own training logged under
     tracker.log_params(cached.get("params", {}))
     for record in cached.get("history", []):
-        values = {f"base/{k}": float(v) for k, v in record.items() if isinstance(v, (int, float))}
-        tracker.log_metrics(values, step=int(record["step"]))
+        tracker.log_metrics({k: float(v) for k, v in record.items() if isinstance(v, (int, float))}, step=int(record["step"]))
     tracker.finish()
 
 
