@@ -1,12 +1,15 @@
-"""Byte-level BPE tokenizer: training, encode/decode, and tokenizer.json persistence.
+"""Tokenizers: needle's own byte-level BPE, and a Hugging Face model's tokenizer, one interface.
 
-Built on Hugging Face ``tokenizers`` (the reference BPE implementation). Byte-level means
-every UTF-8 string encodes without unknown tokens and decodes back byte for byte. The chat
-template's special tokens (``SPECIAL_TOKENS``) always take ids 0..8 in the documented order.
+``Tokenizer`` is needle's tokenizer: a byte-level BPE trained on the data (HF ``tokenizers``),
+whose special tokens (``SPECIAL_TOKENS``) always take ids 0..8 in the documented order; every
+UTF-8 string encodes without unknown tokens and decodes back byte for byte.
+``HFTokenizer`` (needle/hf_tokenizer.py) wraps a pretrained model's ``tokenizer.json`` with its
+``tokenizer_config.json`` and chat template. Both satisfy :class:`TokenizerLike`;
+``load_tokenizer(dir)`` picks the right one from what is on disk.
 
     tok = train_tokenizer(texts, vocab_size=1024)
     tok.save("out/")                      # writes out/tokenizer.json (JSON, never pickle)
-    tok = Tokenizer.load("out/")
+    tok = load_tokenizer("out/")          # Tokenizer here; HFTokenizer for a HF model directory
     assert tok.decode(tok.encode("héllo 🎉")) == "héllo 🎉"
 """
 
@@ -15,9 +18,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from tokenizers import Regex
-from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -31,6 +35,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|think|>",
     "<|call|>",
 )
+# The same tokens by role, so the template (needle/data/render.py) and the parser
+# (needle/eval/parse.py) never spell them out again.
+PAD, BOS, END, SYSTEM, TOOLS, USER, ASSISTANT, THINK, CALL = SPECIAL_TOKENS
 TOKENIZER_FILE = "tokenizer.json"
 # A word with the punctuation that follows it, a single digit, a punctuation run, or whitespace.
 # Digits stay single tokens: a small model copies "K33026" or "472.18" from the query into the
@@ -38,20 +45,41 @@ TOKENIZER_FILE = "tokenizer.json"
 PRE_TOKEN_PATTERN = r" ?\p{L}+[^\s\p{L}\p{N}]*| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What the data, training and eval code need from a tokenizer (native or Hugging Face)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def end_id(self) -> int: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    def token_id(self, tok: str) -> int: ...
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str: ...
+    def to_json(self) -> str: ...
+    def save(self, directory: str | Path) -> Path: ...
+
+
 class Tokenizer:
     """A thin, typed wrapper over an HF byte-level BPE ``tokenizers.Tokenizer``."""
 
-    def __init__(self, hf: HFTokenizer) -> None:
+    def __init__(self, hf: RawTokenizer) -> None:
         self._hf = hf
         self._check_specials()
 
     def _check_specials(self) -> None:
         # The template and the model code hard-wire pad=0 etc.; a tokenizer with other ids
         # would train silently wrong, so refuse it here.
-        for expected, tok in enumerate(SPECIAL_TOKENS):
-            got = self._hf.token_to_id(tok)
-            if got != expected:
-                raise ValueError(f"special token {tok} has id {got}, expected {expected}")
+        problem = native_specials_problem(self._hf)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def vocab_size(self) -> int:
@@ -59,15 +87,25 @@ class Tokenizer:
 
     @property
     def pad_id(self) -> int:
-        return SPECIAL_TOKENS.index("<|pad|>")
+        return SPECIAL_TOKENS.index(PAD)
 
     @property
     def bos_id(self) -> int:
-        return SPECIAL_TOKENS.index("<|bos|>")
+        return SPECIAL_TOKENS.index(BOS)
 
     @property
     def end_id(self) -> int:
-        return SPECIAL_TOKENS.index("<|end|>")
+        return SPECIAL_TOKENS.index(END)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: only ``<|end|>`` for needle's template."""
+        return (self.end_id,)
+
+    @property
+    def chat_template(self) -> str | None:
+        """None: needle's own template (needle/data/render.py) is not a Jinja chat template."""
+        return None
 
     def token_id(self, tok: str) -> int:
         """Id of one token string (special or ordinary); KeyError if it is not in the vocab."""
@@ -94,7 +132,7 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text: str) -> "Tokenizer":
-        return cls(HFTokenizer.from_str(text))
+        return cls(RawTokenizer.from_str(text))
 
     def save(self, directory: str | Path) -> Path:
         """Write ``directory/tokenizer.json`` and return its path."""
@@ -132,7 +170,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size <= floor:
         raise ValueError(f"vocab_size={vocab_size} must exceed {floor} (special tokens + 256 bytes)")
-    hf = HFTokenizer(models.BPE())
+    hf = RawTokenizer(models.BPE())
     # Words keep their trailing punctuation (`type":"`, `string"},"`), so the JSON around tool
     # schemas costs about one token per key and the merges still generalise to unseen tools.
     # No prefix space: a leading space is real content and must survive the round trip.
@@ -153,3 +191,42 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     hf.train_from_iterator(list(texts), trainer=trainer)
     return Tokenizer(hf)
+
+
+def native_specials_problem(raw: RawTokenizer) -> str | None:
+    """Why ``raw`` is not a needle tokenizer (special tokens not at ids 0..8), or None."""
+    for expected, tok in enumerate(SPECIAL_TOKENS):
+        got = raw.token_to_id(tok)
+        if got != expected:
+            return f"special token {tok} has id {got}, expected {expected}"
+    return None
+
+
+def load_tokenizer(path: str | Path) -> TokenizerLike:
+    """The tokenizer in ``path`` (a directory, or its tokenizer.json): native or Hugging Face.
+
+    A tokenizer.json whose first ids are needle's ``SPECIAL_TOKENS`` is needle's own
+    (``Tokenizer``, byte-identical behaviour); anything else is a pretrained model's tokenizer,
+    read with its tokenizer_config.json, chat template and generation_config.json
+    (``HFTokenizer``).
+    """
+    p = Path(path)
+    file = p / TOKENIZER_FILE if p.is_dir() else p
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no tokenizer.json here")
+    text = file.read_text(encoding="utf-8")
+    raw = RawTokenizer.from_str(text)
+    if native_specials_problem(raw) is None:
+        return Tokenizer(raw)
+    from needle.hf_tokenizer import HFTokenizer  # lazy: keeps the HF config reading out of native paths
+
+    return HFTokenizer.load(file.parent)
+
+
+def __getattr__(name: str) -> object:
+    # ``needle.tokenizer.HFTokenizer`` without importing it for every native-only user.
+    if name == "HFTokenizer":
+        from needle.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

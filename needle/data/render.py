@@ -1,12 +1,18 @@
-"""The chat template: a validated Row -> prompt/target text -> token ids and loss mask.
+"""Needle's chat template and the ``ChatFormat`` interface every template implements.
+
+Needle's own template (one definition, ``TEMPLATE``, from which rendering is derived and which
+the data fingerprint hashes):
 
     <|bos|><|system|>{system}<|end|><|tools|>{tools JSON}<|end|><|user|>{query}<|end|><|assistant|>
     [<|think|>{reasoning}]<|call|>{answers JSON}<|end|>          <- target: the only loss tokens
 
 JSON is compact (``separators=(",", ":")``, ``ensure_ascii=False``) with keys in the given
 order. Bump ``TEMPLATE_VERSION`` on any change: it is part of the data fingerprint.
+A pretrained model's own Jinja template is ``needle.data.chat.JinjaChatFormat``;
+``needle.data.chat.format_for(tokenizer)`` picks the format for a tokenizer.
 
-    ex = encode_example(row, tokenizer, max_len=256)
+    ex = encode_example(row, tokenizer, max_len=256)          # needle's template
+    fmt = NativeFormat(); fmt.parse(generated_text).calls
 """
 
 from __future__ import annotations
@@ -15,16 +21,36 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import re
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
 from needle.data.schema import Row
-from needle.tokenizer import Tokenizer
+from needle.tokenizer import ASSISTANT, BOS, CALL, END, SYSTEM, THINK, TOOLS, USER, TokenizerLike
+
+if TYPE_CHECKING:
+    from needle.eval.parse import ParsedCall
 
 TEMPLATE_VERSION = "1"
 DEFAULT_SYSTEM = "Answer by calling the right tools."
-# The template itself, also hashed into the fingerprint so an edit here cannot go unnoticed.
+# The template itself: rendering is derived from it (below) and the fingerprint hashes it, so
+# an edit here changes both at once. "||" separates prompt and target; "[...]" is optional.
 TEMPLATE = (
-    "<|bos|><|system|>{system}<|end|><|tools|>{tools}<|end|><|user|>{query}<|end|><|assistant|>"
-    "||[<|think|>{reasoning}]<|call|>{answers}<|end|>"
+    f"{BOS}{SYSTEM}{{system}}{END}{TOOLS}{{tools}}{END}{USER}{{query}}{END}{ASSISTANT}"
+    f"||[{THINK}{{reasoning}}]{CALL}{{answers}}{END}"
 )
+PROMPT_TEMPLATE, TARGET_TEMPLATE = TEMPLATE.split("||")
+_OPTIONAL = re.compile(r"\[([^\]]*)\]")
+
+
+def _fill(template: str, **values: str | None) -> str:
+    """Format ``template``; an optional ``[...]`` part is kept only when its fields are all set."""
+
+    def optional(match: re.Match[str]) -> str:
+        part = match.group(1)
+        fields = re.findall(r"\{(\w+)\}", part)
+        return part if all(values.get(f) for f in fields) else ""
+
+    return _OPTIONAL.sub(optional, template).format(**values)
 
 
 def compact_json(value: Any) -> str:
@@ -40,16 +66,12 @@ def format_calls(answers: list[dict[str, Any]]) -> str:
 def render_prompt(row: Row) -> str:
     """Everything up to and including ``<|assistant|>``: what the model is given."""
     system = row.system if row.system else DEFAULT_SYSTEM
-    return (
-        f"<|bos|><|system|>{system}<|end|><|tools|>{compact_json(row.tools)}<|end|>"
-        f"<|user|>{row.query}<|end|><|assistant|>"
-    )
+    return _fill(PROMPT_TEMPLATE, system=system, tools=compact_json(row.tools), query=row.query)
 
 
 def render_target(row: Row) -> str:
     """The assistant turn the model learns to produce, ending with ``<|end|>``."""
-    think = f"<|think|>{row.reasoning}" if row.reasoning else ""
-    return f"{think}<|call|>{format_calls(row.answers)}<|end|>"
+    return _fill(TARGET_TEMPLATE, reasoning=row.reasoning, answers=format_calls(row.answers))
 
 
 def render_text(row: Row) -> str:
@@ -66,15 +88,76 @@ class Example:
     truncated: bool
 
 
-def encode_example(row: Row, tok: Tokenizer, max_len: int) -> Example:
-    """Tokenize one row; rows over ``max_len`` keep their first ``max_len`` tokens.
-
-    Prompt and target are encoded separately so the loss boundary is exact (no BPE merge can
-    straddle it: both sides of it are special tokens anyway).
-    """
-    prompt = tok.encode(render_prompt(row))
-    target = tok.encode(render_target(row))
+def join_example(prompt: list[int], target: list[int], max_len: int) -> Example:
+    """Prompt then target ids, loss on the target; over ``max_len`` keeps the first tokens."""
     ids = prompt + target
     mask = [0] * len(prompt) + [1] * len(target)
     truncated = len(ids) > max_len
     return Example(ids[:max_len], mask[:max_len], truncated)
+
+
+def encode_example(row: Row, tok: TokenizerLike, max_len: int) -> Example:
+    """Tokenize one row; rows over ``max_len`` keep their first ``max_len`` tokens.
+
+    Prompt and target are encoded separately so the loss boundary is exact (no BPE merge can
+    straddle it: both sides of it are special tokens anyway). With a tokenizer that lacks
+    needle's ``<|end|>`` token (a Hugging Face model without a chat template), the tokenizer's
+    own end id closes the target, so generation still stops there.
+    """
+    prompt = tok.encode(render_prompt(row))
+    target = tok.encode(render_target(row))
+    if target[-1:] != [tok.end_id]:
+        target.append(tok.end_id)
+    return join_example(prompt, target, max_len)
+
+
+@runtime_checkable
+class ChatFormat(Protocol):
+    """How rows become model text and ids, and how the model's answer is read back."""
+
+    def render_prompt(self, row: Row) -> str:
+        """Everything the model is given, up to where its answer starts."""
+        ...
+
+    def render_target(self, row: Row) -> str:
+        """The answer the model learns to produce (the loss tokens), end-of-turn included."""
+        ...
+
+    def encode_example(self, row: Row, tok: TokenizerLike, max_len: int) -> Example:
+        """Token ids of prompt + target with the loss mask on the target only."""
+        ...
+
+    def template_id(self) -> str:
+        """Text that identifies the rendering; hashed into the data fingerprint."""
+        ...
+
+    def parse(self, text: str) -> "ParsedCall":
+        """The tool calls in a decoded answer (never raises)."""
+        ...
+
+
+class NativeFormat:
+    """Needle's own template (the module-level functions, as a :class:`ChatFormat`)."""
+
+    name = "needle"
+
+    def render_prompt(self, row: Row) -> str:
+        return render_prompt(row)
+
+    def render_target(self, row: Row) -> str:
+        return render_target(row)
+
+    def encode_example(self, row: Row, tok: TokenizerLike, max_len: int) -> Example:
+        return encode_example(row, tok, max_len)
+
+    def template_id(self) -> str:
+        # Exactly what compute_fingerprint has always hashed, so existing caches stay valid.
+        return f"needle:{TEMPLATE_VERSION}:{TEMPLATE}"
+
+    def parse(self, text: str) -> "ParsedCall":
+        from needle.eval.parse import parse_calls  # lazy: eval imports data, not the reverse
+
+        return parse_calls(text)
+
+    def __repr__(self) -> str:
+        return "NativeFormat()"

@@ -1,6 +1,6 @@
-"""Extract tool calls from one generated assistant turn.
+"""Extract tool calls from one generated assistant turn, in each template family's form.
 
-The chat template (docs/architecture.md) makes the model emit
+Needle's template (docs/architecture.md) makes the model emit
 
     [<|think|>{reasoning}]<|call|>{compact JSON list of {"name", "arguments"}}<|end|>
 
@@ -12,17 +12,22 @@ the JSON) gives ``calls=None`` and a one-line ``error`` saying why, so the metri
     from needle.eval.parse import parse_calls
     parse_calls('<|call|>[{"name":"f","arguments":{"x":1}}]').calls
     # [{'name': 'f', 'arguments': {'x': 1}}]
+
+Pretrained models' templates have their own forms, parsed below to the same ParsedCall: Qwen/Hermes
+``<tool_call>{json}</tool_call>``, Llama 3.x JSON calls, FunctionGemma's
+``<start_function_call>call:name{…}<end_function_call>``; ``parser_for(template)`` picks one.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-THINK = "<|think|>"
-CALL = "<|call|>"
-END = "<|end|>"
+from needle.tokenizer import CALL, END, THINK
+
 CALL_KEYS = frozenset({"name", "arguments"})
 
 
@@ -52,6 +57,17 @@ def _check_call(index: int, call: Any) -> str | None:
         return f"call {index} ({call['name']}) has no 'arguments'"
     if not isinstance(call["arguments"], dict):
         return f"call {index} ({call['name']}) 'arguments' is a {type(call['arguments']).__name__}, not an object"
+    return None
+
+
+def check_calls(value: Any) -> str | None:
+    """Why ``value`` is not a list of ``{"name": str, "arguments": dict}`` calls, or None."""
+    if not isinstance(value, list):
+        return f"call JSON is a {type(value).__name__}, not a list"
+    for i, call in enumerate(value):
+        problem = _check_call(i, call)
+        if problem:
+            return problem
     return None
 
 
@@ -92,10 +108,164 @@ def parse_calls(text: str) -> ParsedCall:
         return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
     if payload[end:].strip():
         return ParsedCall(None, f"text after the JSON at char {end}", reasoning)
-    if not isinstance(value, list):
-        return ParsedCall(None, f"call JSON is a {type(value).__name__}, not a list", reasoning)
-    for i, call in enumerate(value):
-        problem = _check_call(i, call)
+    problem = check_calls(value)
+    return ParsedCall(None, problem, reasoning) if problem else ParsedCall(value, None, reasoning)
+
+
+# --- pretrained models' forms --------------------------------------------------------------
+Parser = Callable[[str], ParsedCall]
+_THINK_BLOCK = re.compile(r"\s*<think>(.*?)</think>\s*", re.S)
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_FG_CALL = re.compile(r"<start_function_call>call:([^{<\s]+)(.*?)<end_function_call>", re.S)
+_FG_ESCAPE = "<escape>"
+_FG_SCALAR = re.compile(r"[^,}\]]*")
+
+
+def _strip_think(text: str) -> tuple[str | None, str]:
+    """Split a leading ``<think>…</think>`` (Qwen3 writes one, often empty) from the answer."""
+    m = _THINK_BLOCK.match(text)
+    if not m:
+        return None, text
+    return (m.group(1).strip() or None), text[m.end() :]
+
+
+def _as_call(index: int, obj: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """``{"name", "arguments"|"parameters"}`` (arguments may be a JSON string) as a needle call."""
+    if not isinstance(obj, dict):
+        return None, f"call {index} is a {type(obj).__name__}, not an object"
+    key = "arguments" if "arguments" in obj else "parameters"
+    args = obj.get(key)
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # left a string: _check_call names the problem
+    call = {"name": obj.get("name"), "arguments": args} if key in obj else {"name": obj.get("name")}
+    extra = set(obj) - {"name", key}
+    problem = f"call {index} has unexpected keys {sorted(extra)}" if extra else _check_call(index, call)
+    return (None, problem) if problem else (call, None)
+
+
+def _collect(objs: list[Any], reasoning: str | None) -> ParsedCall:
+    calls = []
+    for i, obj in enumerate(objs):
+        call, problem = _as_call(i, obj)
         if problem:
             return ParsedCall(None, problem, reasoning)
-    return ParsedCall(value, None, reasoning)
+        calls.append(call)
+    return ParsedCall(calls, None, reasoning)
+
+
+def parse_hermes(text: str) -> ParsedCall:
+    """Qwen/Hermes: one ``<tool_call>{"name", "arguments"}</tool_call>`` per call; none = []."""
+    reasoning, body = _strip_think(text)
+    blocks = _HERMES_BLOCK.findall(body)
+    if body.count("<tool_call>") != len(blocks) or body.count("</tool_call>") != len(blocks):
+        return ParsedCall(None, "unbalanced <tool_call> tags", reasoning)
+    objs = []
+    for i, block in enumerate(blocks):
+        try:
+            objs.append(json.loads(block))
+        except json.JSONDecodeError as exc:
+            return ParsedCall(None, f"call {i}: invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
+    return _collect(objs, reasoning)
+
+
+def _json_values(text: str) -> list[Any]:
+    """Consecutive JSON values separated by whitespace or ``;`` (lists are flattened)."""
+    values: list[Any] = []
+    decoder, pos = json.JSONDecoder(), 0
+    while pos < len(text):
+        value, pos = decoder.raw_decode(text, pos)
+        values.extend(value if isinstance(value, list) else [value])
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+    return values
+
+
+def parse_llama_json(text: str) -> ParsedCall:
+    """Llama 3.x: ``{"name", "parameters"}`` objects (one per line, or a list), an optional
+    ``<|python_tag|>`` prefix; a plain-text answer means no call ([])."""
+    reasoning, body = _strip_think(text)
+    body = body.strip().removeprefix("<|python_tag|>").strip()
+    for end in ("<|eom_id|>", "<|eot_id|>"):
+        body = body.removesuffix(end).rstrip()
+    if not body or body[0] not in "{[":
+        return ParsedCall([], None, reasoning)
+    try:
+        objs = _json_values(body)
+    except json.JSONDecodeError as exc:
+        return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
+    return _collect(objs, reasoning)
+
+
+def _fg_value(s: str, i: int) -> tuple[Any, int]:
+    """One FunctionGemma value at ``s[i]``: <escape>str<escape>, {k:v,…}, […], or a scalar."""
+    if s.startswith(_FG_ESCAPE, i):
+        end = s.index(_FG_ESCAPE, i + len(_FG_ESCAPE))
+        return s[i + len(_FG_ESCAPE) : end], end + len(_FG_ESCAPE)
+    if s[i] in "{[":
+        close, items, obj = ("}" if s[i] == "{" else "]"), [], s[i] == "{"
+        i += 1
+        while s[i] != close:
+            key = None
+            if obj:
+                colon = s.index(":", i)
+                key, i = s[i:colon].strip(), colon + 1
+            value, i = _fg_value(s, i)
+            items.append((key, value))
+            i += 1 if s[i] == "," else 0
+        return (dict(items) if obj else [v for _, v in items]), i + 1
+    raw = _FG_SCALAR.match(s, i).group(0)  # type: ignore[union-attr]
+    try:
+        return json.loads(raw), i + len(raw)
+    except json.JSONDecodeError:
+        return raw.strip(), i + len(raw)
+
+
+def parse_function_gemma(text: str) -> ParsedCall:
+    """FunctionGemma: ``<start_function_call>call:name{key:<escape>v<escape>,…}<end_function_call>``."""
+    reasoning, body = _strip_think(text)
+    matches = _FG_CALL.findall(body)
+    if body.count("<start_function_call>") != len(matches):
+        return ParsedCall(None, "unbalanced <start_function_call> tags", reasoning)
+    objs = []
+    for i, (name, args) in enumerate(matches):
+        try:
+            value, end = _fg_value(args.strip(), 0)
+        except (ValueError, IndexError):
+            return ParsedCall(None, f"call {i} ({name}): malformed arguments", reasoning)
+        if args.strip()[end:].strip():
+            return ParsedCall(None, f"call {i} ({name}): text after the arguments", reasoning)
+        objs.append({"name": name, "arguments": value})
+    return _collect(objs, reasoning)
+
+
+def parse_json_list(text: str) -> ParsedCall:
+    """A bare JSON list of ``{"name", "arguments"}`` (templates without tool support, see
+    needle/data/chat.py); a ```json fence around it is tolerated."""
+    reasoning, body = _strip_think(text)
+    body = body.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+    if not body:
+        return ParsedCall(None, "no call list", reasoning)
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError as exc:
+        return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
+    if body[end:].strip():
+        return ParsedCall(None, f"text after the JSON at char {end}", reasoning)
+    problem = check_calls(value)
+    return ParsedCall(None, problem, reasoning) if problem else ParsedCall(value, None, reasoning)
+
+
+def parser_for(template: str | None) -> Parser:
+    """The parser for the calls a chat template writes (detected from its text)."""
+    if template is None:
+        return parse_calls
+    if "<tool_call>" in template:
+        return parse_hermes
+    if "<start_function_call>" in template:
+        return parse_function_gemma
+    if '"parameters"' in template or "<|python_tag|>" in template:
+        return parse_llama_json
+    return parse_json_list
