@@ -38,3 +38,7 @@ class CheckpointMismatchError(NeedleError):
 
 class NonFiniteLossError(NeedleError):
     """Training produced a NaN or infinite loss; the last good checkpoint is kept."""
+
+
+class ModelImportError(NeedleError):
+    """A model directory or hub id cannot be imported (or exported): names the file, key or field."""

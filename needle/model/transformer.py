@@ -10,13 +10,21 @@ output projection (the transposed embedding when ``cfg.tie_embeddings``) give fl
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     logits = model.apply({"params": params}, tokens)     # float32[B, T, V]
 
-Parameter tree (no biases anywhere)::
+Parameter tree of a native model (no biases anywhere)::
 
     embed/embedding [V, D]            final_norm/scale [D]          lm_head/kernel [D, V] (untied only)
     block_i/attn_norm/scale, block_i/mlp_norm/scale
     block_i/attn/{q_proj,k_proj,v_proj,o_proj}/kernel
     block_i/mlp/{gate_proj,up_proj,down_proj}/kernel
     .../<proj>/lora_a [in, r], .../<proj>/lora_b [r, out]   (only for projections in lora.targets)
+
+The Hugging Face switches of ``ModelConfig`` (see needle/config.py) only add leaves:
+``block_i/attn/{q,k,v}_proj/bias`` (``qkv_bias``), ``block_i/attn/o_proj/bias`` (``o_bias``),
+``block_i/attn/{q_norm,k_norm}/scale [head_dim]`` (``qk_norm``) and
+``block_i/{post_attn_norm,post_mlp_norm}/scale`` (``post_norms``). With ``norm_offset_one`` a
+norm's ``scale`` holds Gemma's raw ``w`` (the layer multiplies by ``1 + w``), so imported
+weights are stored exactly as the checkpoint has them. Sliding-window layers (``layer_types``)
+see only the last ``sliding_window`` positions, in the full forward and in the cache.
 
 Master weights are ``settings.param_dtype`` (float32); activations and matmuls run in
 ``settings.compute_dtype``; the residual stream, norms, RoPE and softmax stay in float32.
@@ -50,11 +58,13 @@ after the real tokens therefore never affects them); ``positions`` only feed RoP
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
@@ -78,6 +88,7 @@ class LoraDense(nn.Module):
     scale: float = 1.0
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -89,28 +100,70 @@ class LoraDense(nn.Module):
             a = self.param("lora_a", nn.initializers.normal(d_in**-0.5), (d_in, self.rank), self.param_dtype)
             b = self.param("lora_b", nn.initializers.zeros_init(), (self.rank, self.features), self.param_dtype)
             y = y + self.scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
         return y
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale, computed in float32."""
+    """Root-mean-square norm with a learned scale (``w``, or ``1 + w`` for Gemma), in float32."""
 
     eps: float
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    offset_one: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), self.param_dtype)
+        # Gemma stores w with the identity at 0, so a fresh offset norm starts at zeros.
+        init = nn.initializers.zeros_init() if self.offset_one else nn.initializers.ones_init()
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype).astype(jnp.float32)
+        if self.offset_one:
+            scale = 1.0 + scale
         x = x.astype(jnp.float32)
         y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        return (y * scale).astype(self.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate ``x[B, T, heads, head_dim]`` by its ``positions[B, T]`` (half-split RoPE)."""
+def rope_inv_freq(cfg: ModelConfig, layer_type: str = "full_attention") -> np.ndarray | None:
+    """Inverse RoPE frequencies ``[head_dim / 2]`` as Hugging Face computes them (float32).
+
+    None for a native model, whose frequencies ``apply_rope`` derives from ``rope_theta`` as it
+    always has (so native logits stay bit-identical). Sliding layers with ``rope_local_theta``
+    use that base unscaled; every other layer uses ``rope_theta`` and ``rope_scaling``.
+    """
+    local = layer_type == "sliding_attention" and cfg.rope_local_theta is not None
+    if cfg.arch == "needle" and cfg.rope_scaling is None and not local:
+        return None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    dim = cfg.head_dim
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    rs = None if local else cfg.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    if rs.type == "linear":
+        return (inv / np.float32(rs.factor)).astype(np.float32)
+    # llama3: keep short wavelengths, divide long ones by factor, interpolate in between.
+    low_wavelen = rs.original_max_len / rs.low_freq_factor
+    high_wavelen = rs.original_max_len / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, inv_freq: np.ndarray | None = None) -> jax.Array:
+    """Rotate ``x[B, T, heads, head_dim]`` by its ``positions[B, T]`` (half-split RoPE).
+
+    ``inv_freq`` (from :func:`rope_inv_freq`) overrides the frequencies derived from ``theta``.
+    """
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if inv_freq is None:
+        freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    else:
+        freqs = jnp.asarray(inv_freq, jnp.float32)
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, half]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -125,7 +178,7 @@ class _Layer(nn.Module):
     lora: LoraConfig | None
     settings: BackendSettings
 
-    def proj(self, name: str, features: int) -> LoraDense:
+    def proj(self, name: str, features: int, use_bias: bool = False) -> LoraDense:
         wants_lora = self.lora is not None and _TARGET_OF[name] in self.lora.targets
         return LoraDense(
             features,
@@ -133,35 +186,61 @@ class _Layer(nn.Module):
             scale=self.lora.scale if wants_lora else 1.0,
             dtype=jnp.dtype(self.settings.compute_dtype),
             param_dtype=jnp.dtype(self.settings.param_dtype),
+            use_bias=use_bias,
             name=name,
         )
 
+    def norm(self, name: str) -> RMSNorm:
+        s = self.settings
+        return RMSNorm(self.cfg.norm_eps, jnp.dtype(s.compute_dtype), jnp.dtype(s.param_dtype), self.cfg.norm_offset_one, name=name)
+
 
 class Attention(_Layer):
-    """Grouped-query causal self-attention with RoPE and an optional KV cache."""
+    """Grouped-query causal self-attention with RoPE, an optional sliding window and KV cache."""
 
     decode: bool = False
+    layer_type: str = "full_attention"
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, t, _ = x.shape
         hd = cfg.head_dim
-        q = self.proj("q_proj", cfg.n_heads * hd)(x).reshape(b, t, cfg.n_heads, hd)
-        k = self.proj("k_proj", cfg.n_kv_heads * hd)(x).reshape(b, t, cfg.n_kv_heads, hd)
-        v = self.proj("v_proj", cfg.n_kv_heads * hd)(x).reshape(b, t, cfg.n_kv_heads, hd)
-        q = apply_rope(q, positions, cfg.rope_theta)
-        k = apply_rope(k, positions, cfg.rope_theta)
+        q = self.proj("q_proj", cfg.n_heads * hd, cfg.qkv_bias)(x).reshape(b, t, cfg.n_heads, hd)
+        k = self.proj("k_proj", cfg.n_kv_heads * hd, cfg.qkv_bias)(x).reshape(b, t, cfg.n_kv_heads, hd)
+        v = self.proj("v_proj", cfg.n_kv_heads * hd, cfg.qkv_bias)(x).reshape(b, t, cfg.n_kv_heads, hd)
+        if cfg.qk_norm:
+            q, k = self.norm("q_norm")(q), self.norm("k_norm")(k)
+        inv_freq = rope_inv_freq(cfg, self.layer_type)
+        q = apply_rope(q, positions, cfg.rope_theta, inv_freq)
+        k = apply_rope(k, positions, cfg.rope_theta, inv_freq)
+        window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
         if self.decode and self.has_variable("cache", "cached_key"):
-            k, v, mask = self._update_cache(k, v, positions)
-            # Decode shapes are tiny and need a per-row mask: the plain XLA path is fine.
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+            k, v, mask = self._update_cache(k, v, positions, window)
+            out = self._attend(q, k, v, mask=mask)
         else:
             if self.decode:  # model.init(..., decode=True): only lay the cache out.
                 self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
                 self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self._implementation(q))
-        return self.proj("o_proj", cfg.d_model)(out.reshape(b, t, cfg.n_heads * hd))
+            out = self._attend(q, k, v, causal_window=window)
+        return self.proj("o_proj", cfg.d_model, cfg.o_bias)(out.reshape(b, t, cfg.n_heads * hd))
+
+    def _attend(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, causal_window: int | None = None
+    ) -> jax.Array:
+        """Causal attention (``mask is None``) or attention under an explicit ``mask`` (decoding)."""
+        cfg = self.cfg
+        scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+        if cfg.attn_softcap is not None:
+            return _softcapped_attention(q, k, v, mask, causal_window, scale, cfg.attn_softcap)
+        if mask is not None:
+            # Decode shapes are tiny and need a per-row mask: the plain XLA path is fine.
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+        # A window of W positions, self included, reaches W - 1 positions back.
+        local = None if causal_window is None else (causal_window - 1, 0)
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=self._implementation(q)
+        )
 
     def _implementation(self, q: jax.Array) -> str | None:
         # cuDNN flash attention exists only on NVIDIA GPUs and only for half precision; GPU
@@ -172,7 +251,7 @@ class Attention(_Layer):
         return "cudnn" if fused else None
 
     def _update_cache(
-        self, k: jax.Array, v: jax.Array, positions: jax.Array
+        self, k: jax.Array, v: jax.Array, positions: jax.Array, window: int | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Write k/v at each row's positions; return the whole cache and its visibility mask."""
         ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
@@ -184,32 +263,63 @@ class Attention(_Layer):
         # Slot s is visible to a query at position p iff s <= p: later slots hold prompt
         # padding or stale values until this row's own steps overwrite them.
         mask = slots[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, max_len]
+        if window is not None:
+            mask &= slots[None, None, None, :] > positions[:, None, :, None] - window
         return ck.value.astype(k.dtype), cv.value.astype(v.dtype), mask
 
 
+def _softcapped_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, window: int | None, scale: float | None,
+    softcap: float,
+) -> jax.Array:  # fmt: skip
+    """Attention with ``softcap * tanh(logits / softcap)`` before the mask (Gemma 2 style), in float32.
+
+    ``jax.nn.dot_product_attention`` has no soft cap, so this spells attention out; used only
+    by configs that set ``attn_softcap``.
+    """
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    logits = softcap * jnp.tanh(logits / softcap)
+    if mask is None:
+        t, s = q.shape[1], k.shape[1]
+        rel = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+        mask = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
+        mask = mask[None, None]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
 class Mlp(_Layer):
-    """Gated MLP: ``(SiLU(x·Wgate) * (x·Wup))·Wdown``."""
+    """Gated MLP: ``(act(x·Wgate) * (x·Wup))·Wdown`` with act SiLU (or tanh-GELU for Gemma)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = self.proj("gate_proj", self.cfg.d_ff)(x)
         up = self.proj("up_proj", self.cfg.d_ff)(x)
-        return self.proj("down_proj", self.cfg.d_model)(nn.silu(gate) * up)
+        act = nn.silu(gate) if self.cfg.mlp_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return self.proj("down_proj", self.cfg.d_model)(act * up)
 
 
 class Block(_Layer):
-    """Pre-norm transformer block with float32 residual adds."""
+    """Pre-norm transformer block with float32 residual adds (and Gemma's post-norms)."""
 
     decode: bool = False
+    layer_type: str = "full_attention"
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         cfg, s = self.cfg, self.settings
-        dt, pdt = jnp.dtype(s.compute_dtype), jnp.dtype(s.param_dtype)
-        h = RMSNorm(cfg.norm_eps, dt, pdt, name="attn_norm")(x)
-        x = x + Attention(cfg, self.lora, s, self.decode, name="attn")(h, positions).astype(jnp.float32)
-        h = RMSNorm(cfg.norm_eps, dt, pdt, name="mlp_norm")(x)
-        return x + Mlp(cfg, self.lora, s, name="mlp")(h).astype(jnp.float32)
+        h = Attention(cfg, self.lora, s, self.decode, self.layer_type, name="attn")(self.norm("attn_norm")(x), positions)
+        if cfg.post_norms:
+            h = self.norm("post_attn_norm")(h)
+        x = x + h.astype(jnp.float32)
+        h = Mlp(cfg, self.lora, s, name="mlp")(self.norm("mlp_norm")(x))
+        if cfg.post_norms:
+            h = self.norm("post_mlp_norm")(h)
+        return x + h.astype(jnp.float32)
 
 
 class OutputKernel(nn.Module):
@@ -255,15 +365,21 @@ class Transformer(nn.Module):
             dtype=pdt, param_dtype=pdt, name="embed",
         )  # fmt: skip
         x = embed(tokens).astype(jnp.float32)
+        if cfg.embed_scale:
+            # Gemma multiplies by sqrt(d) rounded to the weights' dtype; here the compute dtype.
+            x = x * jnp.asarray(cfg.d_model**0.5, dt).astype(jnp.float32)
         block = nn.remat(Block) if s.remat else Block
-        for i in range(cfg.n_layers):
-            x = block(cfg, self.lora, s, decode, name=f"block_{i}")(x, positions)
-        x = RMSNorm(cfg.norm_eps, dt, pdt, name="final_norm")(x)
+        for i, kind in enumerate(cfg.resolved_layer_types()):
+            x = block(cfg, self.lora, s, decode, kind, name=f"block_{i}")(x, positions)
+        x = RMSNorm(cfg.norm_eps, dt, pdt, cfg.norm_offset_one, name="final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding.T
         else:
             w = OutputKernel(cfg.d_model, cfg.vocab_size, pdt, name="lm_head")()
-        return jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
+        if cfg.final_softcap is not None:
+            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+        return logits
 
 
 def init_cache(model: Transformer, batch_size: int, max_len: int) -> dict[str, Any]:
