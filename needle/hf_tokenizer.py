@@ -63,7 +63,8 @@ class HFTokenizer:
     ) -> None:
         self._raw = raw
         self._config = {k: v for k, v in (config or {}).items() if k != "chat_template"}
-        self._template = chat_template if chat_template is not None else _pick_template((config or {}).get("chat_template"))
+        in_config = _pick_template((config or {}).get("chat_template"))
+        self._template = chat_template if chat_template is not None else in_config
         self._generation_eos = tuple(int(i) for i in generation_eos)
         # Keep the file's own text: to_json() feeds fingerprints and must not change on a round trip.
         self._json = tokenizer_json if tokenizer_json is not None else raw.to_str()

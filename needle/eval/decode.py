@@ -1,7 +1,9 @@
 """Greedy decoding with the model's KV cache, in a small fixed set of compiled shapes.
 
 ``generate(model, params, prompts, max_new_tokens=…, end_id=…, pad_id=…, batch_size=…)``
-returns the generated ids of each prompt, up to and excluding the first ``end_id``.
+returns the generated ids of each prompt, up to and excluding the first stop id. ``end_id`` is
+one id or a sequence of them (``tok.stop_ids``: e.g. Qwen's ``<|im_end|>`` and
+``<|endoftext|>``); generation stops at whichever comes first.
 
 How it stays fast and compiles few programs:
 
@@ -12,7 +14,7 @@ How it stays fast and compiles few programs:
   max_new_tokens)`` slots, so there is one compiled program per (batch, bucket) pair;
 - one jitted call prefills the whole bucket (ragged rows read their logits at ``n_b - 1``, see
   needle/model/transformer.py) and then runs a ``lax.while_loop`` of one-token cached steps that
-  stops as soon as every row has emitted ``end_id`` or used its token budget.
+  stops as soon as every row has emitted a stop id or used its token budget.
 
 A prompt longer than ``max_len - max_new_tokens`` cannot fit a full-length answer. By default
 (``overflow="error"``) ``generate`` raises ``ValueError`` naming it; ``overflow="shrink"`` keeps
@@ -29,6 +31,7 @@ left-truncates those itself, with a count).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -40,12 +43,21 @@ from needle.data.batching import bucket_for
 from needle.model.transformer import Transformer, init_cache
 
 Overflow = Literal["error", "shrink"]
+StopIds = int | Sequence[int]
+
+
+def stop_array(end_id: StopIds) -> np.ndarray:
+    """The stop ids as a non-empty int32 vector (a single int is a one-element vector)."""
+    ids = np.atleast_1d(np.asarray(end_id, dtype=np.int32)).ravel()
+    if ids.size == 0:
+        raise ValueError("end_id: at least one stop id is needed")
+    return ids
 
 
 @dataclass(frozen=True)
 class Generation:
-    """Generated ids per prompt (``end_id`` excluded), whether each emitted ``end_id``, the
-    generated tokens summed over prompts (``end_id`` included), and how many prompts had their
+    """Generated ids per prompt (the stop id excluded), whether each emitted a stop id, the
+    generated tokens summed over prompts (stop ids included), and how many prompts had their
     token budget shrunk to fit ``max_len``."""
 
     ids: list[list[int]]
@@ -87,19 +99,22 @@ def _decode_batch(
     tokens: jax.Array,
     lengths: jax.Array,
     limits: jax.Array,
-    end_id: jax.Array,
+    stop_ids: jax.Array,
     pad_id: jax.Array,
     *,
     max_new: int,
 ) -> jax.Array:
-    """Prefill ``tokens[B, P]`` and decode greedily; return ``out[B, max_new]`` (pad after the end)."""
+    """Prefill ``tokens[B, P]`` and decode greedily; return ``out[B, max_new]`` (pad after the end).
+
+    ``stop_ids[K]`` is traced: one compiled program per number of stop ids, not per tokenizer.
+    """
     rows = tokens.shape[0]
     logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     out = jnp.full((rows, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     # A row with limit 0 is batch padding; limit 1 has spent its budget on ``first``.
-    done = (first == end_id) | (limits <= 1)
+    done = jnp.isin(first, stop_ids) | (limits <= 1)
 
     def keep_going(state: tuple) -> jax.Array:
         step, _, _, _, _, done = state
@@ -112,16 +127,16 @@ def _decode_batch(
         )
         nxt = jnp.where(done, pad_id, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
         out = out.at[:, step].set(nxt)
-        return step + 1, nxt, pos + 1, upd["cache"], out, done | (nxt == end_id) | (step + 1 >= limits)
+        return step + 1, nxt, pos + 1, upd["cache"], out, done | jnp.isin(nxt, stop_ids) | (step + 1 >= limits)
 
     # Answer token k is fed at slot n_b + k, right after the prompt's last real slot.
     state = (jnp.int32(1), first, lengths.astype(jnp.int32), upd["cache"], out, done)
     return jax.lax.while_loop(keep_going, one_step, state)[4]
 
 
-def _cut_at_end(row: np.ndarray, end_id: int) -> tuple[list[int], bool, int]:
-    """(ids before end_id, whether end_id occurred, tokens generated including end_id)."""
-    hits = np.flatnonzero(row == end_id)
+def _cut_at_end(row: np.ndarray, stop_ids: np.ndarray) -> tuple[list[int], bool, int]:
+    """(ids before the first stop id, whether one occurred, tokens generated including it)."""
+    hits = np.flatnonzero(np.isin(row, stop_ids))
     if hits.size:
         k = int(hits[0])
         return row[:k].tolist(), True, k + 1
@@ -134,7 +149,7 @@ def generate_detailed(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    end_id: int,
+    end_id: StopIds,
     pad_id: int,
     batch_size: int,
     overflow: Overflow = "error",
@@ -143,6 +158,7 @@ def generate_detailed(
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens}, {batch_size}")
     _check_prompts(model, prompts, max_new_tokens, overflow)
+    stops = stop_array(end_id)
     max_len = model.cfg.max_len
     rows = min(batch_size, 1 << max(0, len(prompts) - 1).bit_length())
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -160,23 +176,23 @@ def generate_detailed(
             lengths[r] = len(prompts[i])
             limits[r] = min(max_new_tokens, max_len - len(prompts[i]))
         cache = init_cache(model, rows, min(max_len, bucket + max_new_tokens))
-        # end/pad ids are traced, not static: one compiled program serves every tokenizer.
+        # stop/pad ids are traced, not static: one compiled program serves every tokenizer.
         out = _decode_batch(
-            model, params, cache, tokens, lengths, limits, np.int32(end_id), np.int32(pad_id), max_new=max_new_tokens
+            model, params, cache, tokens, lengths, limits, stops, np.int32(pad_id), max_new=max_new_tokens
         )
         out = np.asarray(out)
         for r, i in enumerate(chunk):
-            ids[i], finished[i], made = _cut_at_end(out[r, : limits[r]], end_id)
+            ids[i], finished[i], made = _cut_at_end(out[r, : limits[r]], stops)
             n_tokens += made
     n_shrunk = sum(max_len - len(p) < max_new_tokens for p in prompts)
     return Generation(ids, finished, n_tokens, n_shrunk)
 
 
 def generate(
-    model: Transformer, params: Any, prompts: list[list[int]], *, max_new_tokens: int, end_id: int, pad_id: int,
-    batch_size: int, overflow: Overflow = "error",
+    model: Transformer, params: Any, prompts: list[list[int]], *, max_new_tokens: int, end_id: StopIds,
+    pad_id: int, batch_size: int, overflow: Overflow = "error",
 ) -> list[list[int]]:  # fmt: skip
-    """Greedy continuation of each prompt, up to and excluding ``end_id`` (see the module doc)."""
+    """Greedy continuation of each prompt, up to and excluding the first stop id (module doc)."""
     options = dict(max_new_tokens=max_new_tokens, end_id=end_id, pad_id=pad_id, batch_size=batch_size)
     return generate_detailed(model, params, prompts, overflow=overflow, **options).ids
 
@@ -192,12 +208,13 @@ def generate_uncached(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    end_id: int,
+    end_id: StopIds,
     pad_id: int,
     overflow: Overflow = "error",
 ) -> list[list[int]]:
     """Reference greedy decoding: one full causal forward pass over the whole prefix per token."""
     _check_prompts(model, prompts, max_new_tokens, overflow)
+    stops = set(stop_array(end_id).tolist())
     max_len = model.cfg.max_len
     results = []
     for prompt in prompts:
@@ -207,7 +224,7 @@ def generate_uncached(
         n, made = len(prompt), []
         for _ in range(min(max_new_tokens, max_len - n)):
             nxt = int(np.argmax(np.asarray(_forward(model, params, seq))[0, n - 1]))
-            if nxt == end_id:
+            if nxt in stops:
                 break
             made.append(nxt)
             seq[0, n] = nxt

@@ -2,8 +2,10 @@
 
 ``evaluate_model(model, split, cfg)`` takes an exported model directory (or a ``LoadedModel``)
 and a split: a prepared ``datasets.Dataset`` (needle.data.prepare columns) or a list of ``Row``
-(or raw row dicts, validated with ``parse_row``). It greedily decodes every prompt with the KV
-cache (needle/eval/decode.py), parses the emitted calls and scores them (needle/eval/metrics.py).
+(or raw row dicts, validated with ``parse_row``). It renders every prompt in the model's chat
+format (``needle.data.chat.format_for(tokenizer)``: needle's template or the model's own Jinja
+template), greedily decodes it with the KV cache until a stop id (needle/eval/decode.py), parses
+the emitted calls with the format's parser and scores them (needle/eval/metrics.py).
 When the split carries ``ids``/``loss_mask`` it also reports ``val_loss`` (mean masked token
 cross-entropy of the target tokens) and ``perplexity``; otherwise those two keys are None.
 
@@ -11,7 +13,7 @@ Besides :data:`needle.eval.metrics.METRIC_KEYS`, ``metrics`` always holds ``val_
 ``perplexity``, ``n_prompts_truncated`` (prompts of ``max_len`` tokens or more, left-truncated
 to leave ``max_new_tokens`` of room), ``n_budget_shrunk`` (prompts longer than ``max_len -
 max_new_tokens``, kept whole but given only the remaining context to answer in) and
-``n_unfinished`` (rows that ran out of tokens without ``<|end|>``).
+``n_unfinished`` (rows that ran out of tokens without a stop id).
 
     from needle.config import EvalConfig
     from needle.eval.evaluate import evaluate_model
@@ -36,12 +38,13 @@ import optax
 
 from needle.config import EvalConfig
 from needle.data.batching import BatchPlan
-from needle.data.render import compact_json, render_prompt
+from needle.data.chat import format_for
+from needle.data.render import compact_json
 from needle.data.schema import Row, parse_row, split_source
 from needle.errors import DataError, DataIssue
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.metrics import score_predictions
-from needle.eval.parse import ParsedCall, parse_calls
+from needle.eval.parse import ParsedCall
 from needle.hardware import BackendSettings
 from needle.model.io import LoadedModel, load_model
 from needle.model.transformer import Transformer
@@ -142,23 +145,24 @@ def evaluate_model(
     started = time.perf_counter()
     loaded = resolve_model(model_dir_or_loaded)
     tok = loaded.tokenizer
+    fmt = format_for(tok)
     model = Transformer(loaded.model_cfg, settings=settings)
     rows = rows_of(split, cfg.max_rows)
-    prompts, n_cut = fit_prompts(tok.encode_batch([render_prompt(r) for r in rows]), model, cfg.max_new_tokens)
+    prompts, n_cut = fit_prompts(tok.encode_batch([fmt.render_prompt(r) for r in rows]), model, cfg.max_new_tokens)
     start = time.perf_counter()
     gen = generate_detailed(
         model,
         loaded.params,
         prompts,
         max_new_tokens=cfg.max_new_tokens,
-        end_id=tok.end_id,
+        end_id=tok.stop_ids,
         pad_id=tok.pad_id,
         batch_size=cfg.batch_size,
         overflow="shrink",
     )
     decode_s = time.perf_counter() - start
     texts = [tok.decode(ids) for ids in gen.ids]
-    parsed = [parse_calls(t) for t in texts]
+    parsed = [fmt.parse(t) for t in texts]
     scored = score_predictions(
         [{"tools": r.tools, "expected": r.answers, "predicted": p.calls} for r, p in zip(rows, parsed)]
     )

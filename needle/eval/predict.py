@@ -1,7 +1,8 @@
 """Ask an exported model for tool calls, and the entry points of `needle predict` / `needle evaluate`.
 
-``predict(model, tools, queries, cfg)`` renders each query with the tools (the training
-template), decodes greedily and returns, per query, the parsed call list or an error object
+``predict(model, tools, queries, cfg)`` renders each query with the tools in the model's chat
+format (``needle.data.chat.format_for``: needle's template, or a pretrained model's own Jinja
+template), decodes greedily until one of the tokenizer's stop ids and returns, per query, the parsed call list or an error object
 ``{"error": reason, "raw": generated text}`` when the output is malformed.
 
     needle predict runs/tuned/model --tools tools.json --query "turn on the kitchen lights"
@@ -20,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from needle.config import EvalConfig
-from needle.data.render import compact_json, render_prompt
+from needle.data.chat import format_for
+from needle.data.render import compact_json
 from needle.data.schema import Row, parse_row
 from needle.errors import NeedleError
 from needle.registry import is_registry_uri, resolve_model_dir
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.evaluate import evaluate_model, resolve_model
-from needle.eval.parse import parse_calls
 from needle.eval.report import format_table, write_report
 from needle.model.io import LoadedModel
 from needle.model.transformer import Transformer
@@ -63,8 +64,9 @@ def predict(
     rows = _rows_for(tools, queries)
     loaded = resolve_model(model_dir)
     tok = loaded.tokenizer
+    fmt = format_for(tok)
     model = Transformer(loaded.model_cfg)
-    prompts = [tok.encode(render_prompt(r)) for r in rows]
+    prompts = tok.encode_batch([fmt.render_prompt(r) for r in rows])
     budget = prompt_budget(model, cfg.max_new_tokens)
     # Truncating a prompt would cut the tools or the query: refuse those queries one by one instead.
     fits = [i for i, p in enumerate(prompts) if len(p) <= budget]
@@ -73,19 +75,20 @@ def predict(
         loaded.params,
         [prompts[i] for i in fits],
         max_new_tokens=cfg.max_new_tokens,
-        end_id=tok.end_id,
+        end_id=tok.stop_ids,
         pad_id=tok.pad_id,
         batch_size=cfg.batch_size,
     )
+    end_name = tok.decode([tok.end_id])
     too_long = f"at most {budget} fit with max_new_tokens={cfg.max_new_tokens}"
     out: list[Prediction] = [{"error": f"prompt has {len(p)} tokens; {too_long}", "raw": ""} for p in prompts]
     for i, ids, finished in zip(fits, gen.ids, gen.finished):
         text = tok.decode(ids)
-        parsed = parse_calls(text)
+        parsed = fmt.parse(text)
         if parsed.ok:
             out[i] = parsed.calls
         else:
-            reason = parsed.error if finished else f"no <|end|> within {cfg.max_new_tokens} tokens; {parsed.error}"
+            reason = parsed.error if finished else f"no {end_name} within {cfg.max_new_tokens} tokens; {parsed.error}"
             out[i] = {"error": reason, "raw": text}
     return out
 

@@ -25,7 +25,8 @@ TEMPLATE_KWARGS = {"llama3": {"date_string": "26 Jul 2024"}}
 # tokenizer_config's named tokens, and generation_config's eos ids (as token strings).
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {
-        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"],
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>",
+                     "</think>"],  # fmt: skip
         "config": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False},
         "generation_eos": ["<|im_end|>", "<|endoftext|>"],
     },
@@ -79,8 +80,12 @@ def raw_tokenizer(family: str, vocab_size: int = 400) -> RawTokenizer:
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=FAMILIES[family]["specials"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=FAMILIES[family]["specials"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     raw.train_from_iterator(CORPUS, trainer=trainer)
     return raw
 

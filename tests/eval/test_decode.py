@@ -72,3 +72,23 @@ def test_empty_prompt_list_and_empty_prompt(tiny: tuple[Transformer, dict]) -> N
     assert generate(model, params, [], max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2) == []
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         generate(model, params, [[]], max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2)
+
+
+def test_several_stop_ids_stop_each_row_at_the_first_one(tiny: tuple[Transformer, dict]) -> None:
+    model, params = tiny
+    prompts = _prompts([5, 12], seed=1)
+    free = generate(model, params, prompts, max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2)
+    stops = (free[0][2], free[1][4])  # e.g. Qwen's <|im_end|> and <|endoftext|>
+
+    def cut(ids: list[int]) -> list[int]:
+        hits = [i for i, t in enumerate(ids) if t in stops]
+        return ids[: hits[0]] if hits else ids
+
+    out = generate_detailed(model, params, prompts, max_new_tokens=NEW, end_id=stops, pad_id=PAD, batch_size=2)
+    assert out.ids == [cut(free[0]), cut(free[1])] and out.finished == [True, True]
+    assert out.ids == _both(model, params, prompts, end_id=list(stops))[1]
+    # A single int and a one-element tuple are the same request.
+    one = generate(model, params, prompts, max_new_tokens=NEW, end_id=(stops[0],), pad_id=PAD, batch_size=2)
+    assert one == generate(model, params, prompts, max_new_tokens=NEW, end_id=stops[0], pad_id=PAD, batch_size=2)
+    with pytest.raises(ValueError, match="at least one stop id"):
+        generate(model, params, prompts, max_new_tokens=NEW, end_id=(), pad_id=PAD, batch_size=2)
