@@ -99,3 +99,15 @@ def test_wrapper_rejects_tokenizer_without_specials_at_fixed_ids() -> None:
     hf.add_special_tokens(["<|bos|>", "<|pad|>"])
     with pytest.raises(ValueError, match="<\\|pad\\|> has id 1, expected 0"):
         Tokenizer(hf)
+
+
+def test_load_tokenizer_picks_the_native_one_and_keeps_its_bytes(tmp_path) -> None:
+    from needle.tokenizer import TokenizerLike, load_tokenizer
+
+    tok = train_tokenizer(CORPUS, vocab_size=300)
+    path = tok.save(tmp_path)
+    back = load_tokenizer(path)  # the file or its directory
+    assert type(back) is Tokenizer and back == tok and back.to_json() == path.read_text(encoding="utf-8")
+    assert isinstance(back, TokenizerLike) and back.stop_ids == (back.end_id,) and back.chat_template is None
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path / "missing")
