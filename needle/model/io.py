@@ -7,6 +7,13 @@ Layout of ``model_dir``::
     tokenizer.json   needle.tokenizer.Tokenizer.save(model_dir)
     meta.json        free-form JSON metadata (run id, data fingerprint, metrics, ...)
 
+``load_model`` also reads a Hugging Face model directory (``config.json`` with a ``model_type``
+and safetensors weights) or a hub id ``hf:owner/name[@revision]`` (needle/model/hf.py): it
+imports params, a ``ModelConfig``, the model's own tokenizer and ``meta["base"]``
+(source, revision, arch, n_params). A model of an imported architecture saved with
+``save_model`` is a native directory like any other (its config.json carries the switches and
+the original HF config in ``hf_config``).
+
 Everything is written into a hidden sibling temp directory that is renamed into place only when
 complete, so a crash never leaves a half-written model at ``model_dir``. Eval, predict and the
 registry read it back with :func:`load_model`; a LoRA-free ``Transformer(cfg)`` applies the params.
@@ -33,7 +40,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from needle.config import ModelConfig
-from needle.errors import CheckpointMismatchError
+from needle.errors import CheckpointMismatchError, ModelImportError
 from needle.model.lora import LORA_LEAVES, Params
 from needle.model.transformer import Transformer
 
@@ -127,16 +134,25 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
 
 
-def load_model(model_dir: str | Path) -> LoadedModel:
-    """Read an exported model; params come back as jax arrays on the default device."""
-    from needle.tokenizer import Tokenizer  # lazy: keeps `tokenizers` out of model imports
+def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedModel:
+    """Read an exported model, a Hugging Face model directory or an ``hf:`` hub id.
 
+    Params come back as jax arrays on the default device. ``max_len`` caps an imported model's
+    context (default: its ``max_position_embeddings``); native models keep their own.
+    """
+    from needle.model.hf import is_hf_model_dir
+
+    if str(model_dir).startswith("hf:") or is_hf_model_dir(model_dir):
+        return import_hf_model(model_dir, max_len=max_len)
     root = Path(model_dir).absolute()
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no exported model directory here")
     missing = [name for name in REQUIRED if not (root / name).exists()]
     if missing:
-        raise FileNotFoundError(f"{root}: incomplete exported model, missing {', '.join(missing)}")
+        raise FileNotFoundError(
+            f"{root}: incomplete exported model, missing {', '.join(missing)} "
+            "(nor is it a Hugging Face model: no config.json with a model_type)"
+        )
     try:
         cfg = ModelConfig.model_validate(_read_json(root / CONFIG_FILE))
     except ValueError as e:
@@ -151,4 +167,32 @@ def load_model(model_dir: str | Path) -> LoadedModel:
             params = ckptr.restore(root / PARAMS_DIR, target)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointMismatchError(f"{root / PARAMS_DIR}: params do not match {CONFIG_FILE}: {e}") from e
-    return LoadedModel(params=params, model_cfg=cfg, tokenizer=Tokenizer.load(root), meta=meta)
+    return LoadedModel(params=params, model_cfg=cfg, tokenizer=_load_tokenizer(root), meta=meta)
+
+
+def _load_tokenizer(root: Path) -> Any:
+    # lazy: keeps `tokenizers` out of model imports. load_tokenizer returns needle's own
+    # Tokenizer for a native tokenizer.json and an HF wrapper (with chat template) otherwise.
+    from needle.tokenizer import load_tokenizer
+
+    return load_tokenizer(root)
+
+
+def import_hf_model(spec: str | Path, *, max_len: int | None = None) -> LoadedModel:
+    """Import a Hugging Face model (directory or ``hf:`` id): params, config, tokenizer, base meta."""
+    from needle.model.hf import hf_config_to_model_config, resolve_model_source
+    from needle.model.hf_weights import checkpoint_n_params, load_hf_params
+
+    src = resolve_model_source(spec)
+    cfg = hf_config_to_model_config(src.path / CONFIG_FILE, max_len=max_len)
+    if not (src.path / TOKENIZER_FILE).is_file():
+        raise ModelImportError(f"{src.path}: no {TOKENIZER_FILE}: needle needs the model's own tokenizer")
+    tokenizer = _load_tokenizer(src.path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelImportError(
+            f"{src.path}: {TOKENIZER_FILE} has {tokenizer.vocab_size} tokens but the embedding only "
+            f"{cfg.vocab_size} rows (config.json vocab_size): tokenizer and weights do not belong together"
+        )
+    params = load_hf_params(src.path, cfg)
+    base = {**src.as_meta(), "arch": cfg.arch, "n_params": checkpoint_n_params(cfg)}
+    return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
