@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m needle.cli finetune data/sample/new.jsonl --preset small --base auto
+	$(PY) -m flows.cli finetune data/sample/new.jsonl --preset small --base auto
 
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout=900

@@ -40,13 +40,14 @@ def ensure_jsonl(n_rows: int | None = None) -> Path:
 
 def load_tokenizer(jsonl: Path, vocab_size: int) -> Any:
     """A byte-level BPE trained on the rows (cached per source file and vocabulary size)."""
-    from needle.recipe import build_tokenizer
-    from needle.tokenizer import Tokenizer
+    from needle.data.load import read_rows
+    from needle.data.prepare import collect_texts
+    from needle.tokenizer import Tokenizer, train_tokenizer
 
     tok_dir = CACHE / f"tokenizer-{jsonl.stem}-{vocab_size}"
     if (tok_dir / "tokenizer.json").exists():
         return Tokenizer.load(tok_dir)
-    tok = build_tokenizer(str(jsonl), vocab_size)
+    tok = train_tokenizer(collect_texts(read_rows(str(jsonl))[0]), vocab_size=vocab_size)
     tok.save(tok_dir)
     return tok
 

@@ -2,8 +2,9 @@
 
 Measures, on the same base model, data and config (LoRA on ``data/sample/new.jsonl``):
 
-- ``bare_library_wall_s``: a fresh process that prepares, trains and evaluates base and tuned on
-  the test split with library calls only (``needle.recipe`` + ``needle.eval``), no tracking;
+- ``bare_library_wall_s``: a fresh process that runs the same stages as the flow
+  (``needle.pipeline``: validate, base, prepare, train, evaluate base and tuned on the test split)
+  as plain calls: no Prefect, no tracking, no registration;
 - ``flow_wall_s``: a fresh process running the embedded flow (``needle finetune``: ephemeral
   Prefect API, MLflow on SQLite, same stages plus tracking, artifacts and registration), with
   new Prefect and MLflow state (``flow_cold_*``) and again with that state kept (``flow_*``);
@@ -48,18 +49,18 @@ def ensure_base(base_steps: int) -> Path:
     return model
 
 
-def bare_main(base: str, steps: int, out: str) -> None:
-    """The library-only run (in its own process): prepare, train, evaluate base and tuned."""
-    from needle.config import EvalConfig
-    from needle.data.prepare import PreparedData
-    from needle.eval.evaluate import evaluate_model
-    from needle.model.io import load_model
-    from needle.recipe import train_from_source
+def bare_main(base_dir: str, steps: int, out: str) -> None:
+    """The library-only run (in its own process): the flow's stages with its defaults."""
+    from needle import pipeline
+    from needle.config import DataConfig, EvalConfig, LoraConfig, training_configs
 
-    summary = train_from_source(str(DATA), out_dir=out, mode="lora", base_model_dir=base, steps=steps)
-    test = PreparedData.load(Path(out) / "data").splits["test"]
-    for model_dir in (base, summary["model_dir"]):
-        evaluate_model(load_model(model_dir), test, EvalConfig())
+    source = pipeline.load_data(str(DATA))
+    base = pipeline.obtain_base(base_dir)
+    data_cfg = DataConfig(source=str(DATA), max_len=base.model_cfg.max_len)
+    prepared = pipeline.prepare_data(data_cfg, source, tokenizer=base.tokenizer, cache_dir=Path(out) / "prepared")
+    train_cfg, optim_cfg = training_configs("lora", steps=steps)
+    tuned = pipeline.train(prepared, base.model_cfg, train_cfg, optim_cfg, LoraConfig(), base=base, out_dir=out)
+    pipeline.evaluate(base, tuned.model_dir, prepared, EvalConfig(), Path(out) / "eval")
 
 
 def _timed(cmd: list[str], env: dict[str, str]) -> float:
@@ -78,7 +79,7 @@ def measure_local(base: Path, steps: int) -> dict[str, Any]:
         bare = _timed([sys.executable, "-m", "bench.pipeline", "_bare", str(base), str(steps), f"{tmp}/bare"], env)
         flow_env = {**env, "NEEDLE_STATE_DIR": f"{tmp}/state", "PREFECT_HOME": f"{tmp}/state/prefect",
                     "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/state/mlflow.db"}
-        cmd = [sys.executable, "-m", "needle.cli", "finetune", str(DATA), "--preset", PRESET,
+        cmd = [sys.executable, "-m", "flows.cli", "finetune", str(DATA), "--preset", PRESET,
                "--base", str(base), "--steps", str(steps)]
         cold = _timed(cmd, flow_env)
         warm = _timed(cmd, flow_env)  # same state: Prefect's DB exists, prepared data is cached

@@ -11,14 +11,15 @@ is refused instead of silently ignored.
 # No `from __future__ import annotations`: Prefect resolves this model's annotations at run
 # time, and postponed annotations make it "not fully defined" in some run paths.
 
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from needle.config import EvalConfig, LoraConfig, OptimConfig, TrainConfig, preset_names
+from flows.paths import resolve_source
+from needle.config import DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from needle.config import preset_names, training_configs
+from needle.pipeline import AutoBase, model_config
 
-CHECKOUT = Path(__file__).resolve().parents[1]
 SAMPLE_NEW = "data/sample/new.jsonl"
 SAMPLE_BASE = "data/sample/base.jsonl"
 
@@ -33,16 +34,18 @@ class FinetuneParams(BaseModel):
         "auto", description="exported base model directory, or 'auto': train one (mode scratch) on base_data, once"
     )
     base_data: str = Field(SAMPLE_BASE, description="rows for the 'auto' base model")
-    base_steps: Optional[int] = Field(None, gt=0, description="optimizer steps of the 'auto' base (None: recipe default)")
-    preset: str = Field("small", description="model preset (must match the base model's)")
+    base_steps: Optional[int] = Field(None, gt=0, description="optimizer steps of the 'auto' base (None: the scratch default)")
+    preset: Optional[str] = Field(
+        None, description="model preset: of the 'auto' base (None: small), or checked against a base directory's"
+    )
     mode: Literal["lora", "full"] = Field("lora", description="lora: adapters on a frozen base; full: all weights")
-    steps: Optional[int] = Field(None, gt=0, description="fine-tuning steps (None: recipe default for the mode)")
-    batch_size: Optional[int] = Field(None, gt=0, description="sequences per step (None: recipe default)")
+    steps: Optional[int] = Field(None, gt=0, description="fine-tuning steps (None: the mode's default)")
+    batch_size: Optional[int] = Field(None, gt=0, description="sequences per step (None: the mode's default)")
     seed: int = Field(0, description="seed for init, shuffling and the base model")
     on_error: Literal["fail", "drop"] = Field("fail", description="bad rows: fail with file:line, or drop and report")
     max_len: Optional[int] = Field(None, gt=8, description="longest tokenized row (None: the model's max_len)")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="adapter settings (mode lora)")
-    optim: Optional[OptimConfig] = Field(None, description="optimizer settings (None: recipe default for the mode)")
+    optim: Optional[OptimConfig] = Field(None, description="optimizer settings (keys not set: the mode's defaults)")
     train: dict[str, Any] = Field(
         default_factory=dict, description="further TrainConfig keys, e.g. log_every, checkpoint_every"
     )
@@ -51,40 +54,32 @@ class FinetuneParams(BaseModel):
 
     @field_validator("preset")
     @classmethod
-    def _known_preset(cls, value: str) -> str:
-        if value not in preset_names():
+    def _known_preset(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in preset_names():
             raise ValueError(f"unknown preset {value!r}; choose one of {preset_names()}")
         return value
 
     @model_validator(mode="after")
-    def _check_train_overrides(self) -> "FinetuneParams":
-        # Build the TrainConfig once here so bad keys fail at submission, not mid-run.
-        TrainConfig.model_validate({"mode": self.mode, **self.train_overrides()})
+    def _check_configs(self) -> "FinetuneParams":
+        # Build the configs once here so bad keys fail at submission, not mid-run.
+        self.training_configs()
         return self
 
-    def train_overrides(self) -> dict[str, Any]:
-        """TrainConfig overrides from the top-level shortcuts and the ``train`` dict."""
-        out: dict[str, Any] = {"seed": self.seed, **self.train}
-        for key in ("steps", "batch_size"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if "mode" in out:
-            raise ValueError("set the mode with the top-level 'mode' parameter, not train.mode")
-        return out
+    def training_configs(self) -> tuple[TrainConfig, OptimConfig]:
+        """The fine-tuning's train and optimizer configs: the mode's defaults and these overrides."""
+        optim = self.optim.model_dump(exclude_unset=True) if self.optim is not None else {}
+        return training_configs(self.mode, steps=self.steps, batch_size=self.batch_size, seed=self.seed,
+                                train=self.train, optim=optim)  # fmt: skip
 
-    def optim_overrides(self) -> dict[str, Any]:
-        """OptimConfig overrides (only keys the caller set, so recipe defaults stay)."""
-        return self.optim.model_dump(exclude_unset=True) if self.optim is not None else {}
+    def data_config(self, source: str, model_cfg: ModelConfig) -> DataConfig:
+        """How rows of ``source`` are prepared for a model of ``model_cfg``."""
+        max_len = self.max_len or model_cfg.max_len
+        return DataConfig(source=resolve_source(source), max_len=max_len, on_error=self.on_error)
 
-
-def resolve_source(source: str) -> str:
-    """Absolute path for a relative local source found in the checkout; other sources unchanged.
-
-    The worker runs in the checkout, but the embedded flow may start anywhere; the bundled
-    sample paths must work from both.
-    """
-    p = Path(source)
-    if p.is_absolute() or p.exists() or any(ch in source for ch in "*?["):
-        return str(p.resolve()) if p.exists() else source
-    in_checkout = CHECKOUT / p
-    return str(in_checkout) if in_checkout.exists() else source
+    def auto_base(self) -> AutoBase:
+        """The 'auto' base: scratch on base_data, the same shortcuts but its own step count."""
+        model_cfg = model_config(self.preset)
+        train = {k: v for k, v in self.train.items() if k != "steps"}
+        train_cfg, optim_cfg = training_configs("scratch", steps=self.base_steps, batch_size=self.batch_size,
+                                                seed=self.seed, train=train)  # fmt: skip
+        return AutoBase(self.data_config(self.base_data, model_cfg), model_cfg, train_cfg, optim_cfg)

@@ -1,31 +1,52 @@
-"""What the `needle` flow records in MLflow and Prefect: locations, tags, inputs, plots, summary.
+"""What the `needle` flow records in MLflow and Prefect: the run's life, tags, inputs, plots, summary.
 
 Kept apart from the flow so the flow reads as the pipeline it runs. Everything here talks to
-MLflow through ``MlflowClient`` with an explicit run id (thread-safe; see needle.tracking).
+MLflow through ``MlflowClient`` with an explicit run id (thread-safe; see needle.tracking),
+except ``start_run``/``end_*``, which own the flow thread's active run.
 
-    uri = tracking_uri(state_dir())          # MLFLOW_TRACKING_URI, or SQLite under .state/
+    run = start_run(tracking_uri(state_dir()))       # (flows.paths)
+    record_inputs(run, tracker, ...); record_results(run, tracker, ...); end_finished(run, tracker, out)
 """
 
 import json
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from flows.params import CHECKOUT
+import mlflow
+from mlflow.tracking import MlflowClient
+from prefect import runtime
+from prefect.artifacts import create_markdown_artifact
+
+from flows.params import FinetuneParams
+from flows.paths import CHECKOUT
+from needle import pipeline
+from needle.data.prepare import TOKENIZER_SUBDIR
+from needle.tracking import Tracker
 
 LOCAL_EXPERIMENT = "needle-local"
 DEFAULT_UI = "http://127.0.0.1:5000"
+SUMMARY_KEY = "needle-run-summary"
 
 
-def state_dir() -> Path:
-    """Where runs, caches and the default MLflow store live: $NEEDLE_STATE_DIR or .state/."""
-    return Path(os.environ.get("NEEDLE_STATE_DIR") or CHECKOUT / ".state").resolve()
+@dataclass(frozen=True)
+class MlflowRun:
+    """The flow run's MLflow run: where it is tracked and how to reach it."""
 
+    client: Any
+    uri: str
+    experiment_id: str
+    experiment: str
+    run_id: str
 
-def tracking_uri(state: Path) -> str:
-    """MLFLOW_TRACKING_URI if set, else an absolute SQLite store in the state dir (never cwd)."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{state / 'mlflow.db'}"
+    @property
+    def info(self) -> dict[str, Any]:
+        """The summary fields every outcome shares."""
+        hint = None if self.uri.startswith("http") else f"mlflow ui --backend-store-uri {self.uri}"
+        return {"run_id": self.run_id, "experiment": self.experiment,
+                "ui_link": ui_link(self.uri, self.experiment_id, self.run_id), "ui_hint": hint}
 
 
 def artifact_location(uri: str) -> Optional[str]:
@@ -66,14 +87,85 @@ def ui_link(uri: str, experiment_id: str, run_id: str) -> str:
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def log_dataset(run_id: str, prepared_dir: str, source: str, client: Any) -> str:
-    """Log the training split as an MLflow dataset input, with its fingerprint as the digest."""
+def start_run(uri: str) -> MlflowRun:
+    """Start (or, for a restarted flow run, resume) the flow run's MLflow run in this thread."""
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(tracking_uri=uri)
+    deployment = runtime.deployment.name
+    exp_name = experiment_name(deployment)
+    exp_id = ensure_experiment(client, exp_name, uri)
+    flow_run_id = str(runtime.flow_run.id)
+    earlier = client.search_runs([exp_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'", max_results=1)
+    run = mlflow.start_run(
+        run_id=earlier[0].info.run_id if earlier else None,
+        experiment_id=None if earlier else exp_id,
+        run_name=None if earlier else runtime.flow_run.name,
+        log_system_metrics=True,
+        tags={"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": str(runtime.flow_run.name),
+              "prefect.deployment": str(deployment), "git_commit": git_commit()},
+    )
+    return MlflowRun(client, uri, exp_id, exp_name, run.info.run_id)
+
+
+def end_failed(run: MlflowRun, tracker: Tracker, exc: BaseException) -> None:
+    """Mark the run FAILED (KILLED when cancelled or interrupted) with the reason as a tag."""
+    tracker.finish()  # what was logged before the failure still lands
+    reason = f"{type(exc).__name__}: {exc}"
+    run.client.set_tag(run.run_id, "failure_reason", reason[:7900])
+    mlflow.end_run("FAILED" if isinstance(exc, Exception) else "KILLED")
+    create_markdown_artifact(key=SUMMARY_KEY, markdown=summary_markdown({**run.info, "status": "FAILED", "error": reason}),
+                             description="needle run failed")
+
+
+def end_finished(run: MlflowRun, tracker: Tracker, out: dict[str, Any]) -> dict[str, Any]:
+    """Mark the run FINISHED, publish the Prefect summary; return the flow's result."""
+    tracker.finish()
+    mlflow.end_run("FINISHED")
+    hw = out.pop("hw")
+    info = {**run.info, "status": "FINISHED", "backend": hw["backend"], "device_count": hw["device_count"],
+            "device_kind": hw["device_kind"], "metrics": out["metrics"], "model_version": out["model_version"]}
+    create_markdown_artifact(key=SUMMARY_KEY, markdown=summary_markdown(info), description="needle run summary")
+    print(f"MLflow run {run.run_id} in experiment {run.experiment}: {info['ui_link']}")
+    return {**out, "run_id": run.run_id, "experiment_id": run.experiment_id, "tracking_uri": run.uri}
+
+
+def record_inputs(run: MlflowRun, tracker: Tracker, p: FinetuneParams, data_cfg: Any, base: pipeline.Base,
+                  prepared: pipeline.PreparedSet, hw: dict[str, Any]) -> None:
+    """The run's flow params, dataset inputs, data config and tags (backend, data, base)."""
+    tracker.log_params({"flow.data": p.data, "flow.base_model": p.base_model, "flow.mode": p.mode,
+                        "flow.preset": p.preset or base.model_cfg.preset,
+                        **{f"eval.{k}": v for k, v in p.eval.model_dump().items()}})
+    log_dataset(run.run_id, prepared.data, data_cfg.source, run.client)
+    tracker.log_params({f"data.{k}": v for k, v in data_cfg.model_dump(mode="json").items()})
+    tracker.set_tags({"backend": hw["backend"], "device_kind": hw["device_kind"], "device_count": hw["device_count"],
+                      "jax_version": hw["jax_version"], "data_fingerprint": prepared.fingerprint,
+                      "base_model_dir": base.model_dir, "base_cached": base.cached})
+
+
+def record_results(run: MlflowRun, tracker: Tracker, base: pipeline.Base, prepared: pipeline.PreparedSet,
+                   tuned: pipeline.Trained, report: pipeline.Evaluation, run_dir: Path) -> dict[str, float]:
+    """Final losses, eval metrics, artifacts, the loss plot and the example table; the eval metrics."""
+    tracker.log_metrics({k: getattr(tuned, k) for k in ("train_loss", "val_loss", "wall_s", "tokens_per_s")
+                         if isinstance(getattr(tuned, k), (int, float))}, step=tuned.final_step)
+    metrics = eval_metrics(report.comparison)
+    tracker.log_metrics(metrics, step=tuned.final_step)
+    histories = {"tuned": tuned.history}
+    if base.record and base.record.get("history"):
+        histories["base"] = base.record["history"]
+    tracker.log_artifact(tuned.model_dir, "model")
+    tracker.log_artifact(Path(prepared.directory) / TOKENIZER_SUBDIR, "tokenizer")
+    tracker.log_artifact(report.report_dir, "eval")
+    tracker.log_artifact(plot_losses(histories, run_dir / "plots" / "loss.png"), "plots")
+    log_example_table(run.client, run.run_id, report.report_dir / "tuned" / "examples.jsonl",
+                      "eval/tuned_examples_table.json")
+    return metrics
+
+
+def log_dataset(run_id: str, prepared: Any, source: str, client: Any) -> str:
+    """Log the splits as MLflow dataset inputs, with the data fingerprint as the digest."""
     import mlflow.data
     from mlflow.entities import DatasetInput, InputTag
 
-    from needle.data.prepare import PreparedData
-
-    prepared = PreparedData.load(prepared_dir)
     for split in ("train", "val", "test"):
         # The token-id list columns defeat MLflow's schema inference; the text columns describe it.
         table = prepared.splits[split].select_columns(["query", "tools", "answers", "length", "source"])

@@ -1,13 +1,14 @@
-"""The `needle` command line: probe, validate, sample, prepare, train, finetune, evaluate, predict.
+"""The `needle` command line of the library: probe, validate, sample, train, evaluate, predict.
 
     needle probe [--json]
     needle validate data/sample/new.jsonl
     needle train data/sample/base.jsonl --mode scratch --preset small --out runs/base
-    needle finetune data/sample/new.jsonl --preset small --base auto     # the embedded Prefect flow
     needle evaluate runs/tuned/model data/sample/new.jsonl
     needle predict runs/tuned/model --tools tools.json --query "turn on the kitchen lights"
 
-Heavy imports (jax, datasets, prefect) happen inside each command so `needle --help` is fast.
+The installed `needle` script is the shell's ``flows.cli:main``, which adds ``finetune`` (the
+Prefect flow) to this parser through ``main(argv, extensions)``; ``python -m needle.cli`` is the
+library alone. Heavy imports (jax, datasets) happen inside each command so `--help` is fast.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import argparse
 import logging
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from needle.config import preset_names
 
@@ -50,31 +53,37 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from needle.recipe import train_from_source
+    from needle import pipeline
+    from needle.config import DataConfig, LoraConfig, training_configs
 
-    result = train_from_source(
-        args.data,
-        out_dir=args.out,
-        mode=args.mode,
-        preset=args.preset,
-        base_model_dir=args.base,
-        steps=args.steps,
-        seed=args.seed,
-    )
-    print(json.dumps(result, indent=2, sort_keys=True))
+    scratch = args.mode == "scratch"
+    if scratch and args.base:
+        raise ValueError("mode 'scratch' trains from random init; do not pass a base model")
+    if not scratch and not args.base:
+        raise ValueError(f"mode {args.mode!r} needs a base model directory (train one with mode 'scratch')")
+    source = pipeline.load_data(args.data, args.on_error)  # bad rows fail before any model loads
+    base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset)
+    model_cfg = pipeline.model_config(args.preset) if base is None else base.model_cfg
+    data_cfg = DataConfig(source=args.data, max_len=model_cfg.max_len, on_error=args.on_error)
+    out = Path(args.out)
+    prepared = pipeline.prepare_data(data_cfg, source, tokenizer=base.tokenizer if base else None,
+                                     vocab_size=model_cfg.vocab_size, cache_dir=out / "data")
+    train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
+    lora_cfg = LoraConfig() if args.mode == "lora" else None
+    trained = pipeline.train(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=out)
+    summary = _train_summary(trained, prepared, args.mode, model_cfg.preset)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
 
 
-def _cmd_finetune(args: argparse.Namespace) -> int:
-    # The shell, not the core: this command runs the Prefect flow in-process (embedded API).
-    from flows.finetune import run_embedded
-
-    overrides = json.loads(args.params) if args.params else {}
-    params = {"data": args.data, "preset": args.preset, "base_model": args.base, **overrides}
-    if args.steps is not None:
-        params["steps"] = args.steps
-    run_embedded(**params)
-    return 0
+def _train_summary(trained: Any, prepared: Any, mode: str, preset: str) -> dict[str, Any]:
+    """What `needle train` prints and writes to summary.json."""
+    keys = ("model_dir", "train_loss", "val_loss", "wall_s", "tokens_per_s", "fingerprint")
+    return {
+        **{k: getattr(trained, k) for k in keys}, "mode": mode, "preset": preset, "steps": trained.final_step,
+        "data_stats": prepared.data.stats, "prepared_dir": str(prepared.directory),
+    }  # fmt: skip
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -90,11 +99,21 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return run_predict_cli(args.checkpoint, args.tools, queries)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
+Extension = Callable[[Any], None]  # adds subcommands to the parser's subparsers action
+
+
+def build_parser(extensions: Sequence[Extension] = ()) -> argparse.ArgumentParser:
+    """The argument parser of every subcommand, plus those the ``extensions`` add."""
     parser = argparse.ArgumentParser(prog="needle", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_data_commands(sub)
+    _add_model_commands(sub)
+    for extend in extensions:
+        extend(sub)
+    return parser
 
+
+def _add_data_commands(sub: Any) -> None:
     p = sub.add_parser("probe", help="report the JAX backend and devices")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a report")
     p.set_defaults(func=_cmd_probe)
@@ -109,23 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sample)
 
+
+def _add_model_commands(sub: Any) -> None:
     p = sub.add_parser("train", help="train with the library only (no Prefect, no MLflow)")
     p.add_argument("data", help="JSONL path, glob or hub id")
-    p.add_argument("--out", required=True, help="output directory (checkpoints, model)")
+    p.add_argument("--out", required=True, help="output directory (prepared data, checkpoints, model)")
     p.add_argument("--mode", choices=["lora", "full", "scratch"], default="lora")
-    p.add_argument("--preset", choices=preset_names(), default="small")
+    p.add_argument("--preset", choices=preset_names(), default=None,
+                   help="model preset (scratch: default small; lora/full: must match the base's)")
     p.add_argument("--base", default=None, help="exported base model directory (lora/full)")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the mode's)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--on-error", choices=["fail", "drop"], default="fail", help="bad rows: fail, or drop and report")
     p.set_defaults(func=_cmd_train)
-
-    p = sub.add_parser("finetune", help="run the Prefect flow `needle` in-process (embedded default)")
-    p.add_argument("data", help="JSONL path, glob or hub id")
-    p.add_argument("--preset", choices=preset_names(), default="small")
-    p.add_argument("--base", default="auto", help="exported base model dir, or 'auto' to train one")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--params", default=None, help="extra flow parameters as a JSON object")
-    p.set_defaults(func=_cmd_finetune)
 
     p = sub.add_parser("evaluate", help="score the tool calls a model emits on a dataset")
     p.add_argument("checkpoint", help="exported model directory or models:/needle/<version>")
@@ -139,15 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", required=True, help="JSON file with the list of tools")
     p.add_argument("--query", default=None, help="the query (default: read stdin)")
     p.set_defaults(func=_cmd_predict)
-    return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `needle` console script."""
+def main(argv: Sequence[str] | None = None, extensions: Sequence[Extension] = ()) -> int:
+    """Run one command; bad input (a ``NeedleError``) exits 2 with the reason on stderr.
+
+    A command whose parser sets ``own_logging`` (the flow: Prefect routes needle's log lines)
+    configures logging itself.
+    """
     from needle.errors import NeedleError
 
-    args = build_parser().parse_args(argv)
-    if args.command != "finetune":  # the flow routes needle's log lines through Prefect's logging
+    args = build_parser(extensions).parse_args(argv)
+    if not getattr(args, "own_logging", False):
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         logging.getLogger("needle").setLevel(logging.INFO)
     try:

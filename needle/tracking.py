@@ -1,7 +1,7 @@
 """Experiment tracking behind a small protocol: a no-op tracker and an MLflow one.
 
-The training loop and evaluation only see :class:`Tracker`; the orchestration shell picks the
-implementation. :class:`MlflowTracker` writes to one existing MLflow run through
+The training loop and the pipeline stages only see :class:`Tracker`; the orchestration shell
+picks the implementation. :class:`MlflowTracker` writes to one existing MLflow run through
 ``MlflowClient`` with an explicit run id (MLflow's fluent "active run" is per thread, so a
 tracker used from a Prefect task thread would otherwise open a second run) and buffers metrics
 so the training loop never waits on one synchronous call per step.
@@ -187,3 +187,31 @@ class MlflowTracker:
         self.flush()
         if self.terminate_on_finish:
             self.client.set_terminated(self.run_id, status=status)
+
+
+class PrefixedTracker:
+    """Puts a prefix on param, metric and tag names (``base/loss``), so a base model's training
+    shares a run with the fine-tuning without clashing keys; ``finish`` flushes the inner one."""
+
+    def __init__(self, inner: Tracker, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log params under the prefix."""
+        self.inner.log_params({self.prefix + k: v for k, v in params.items()})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log metrics under the prefix."""
+        self.inner.log_metrics({self.prefix + k: v for k, v in metrics.items()}, step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Log an artifact under the prefix folder."""
+        self.inner.log_artifact(path, self.prefix.rstrip("/.") + (f"/{artifact_path}" if artifact_path else ""))
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Set tags under the prefix."""
+        self.inner.set_tags({self.prefix + k: v for k, v in tags.items()})
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Flush the inner tracker."""
+        self.inner.finish(status)

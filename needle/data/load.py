@@ -27,7 +27,7 @@ from needle.errors import DataError, DataIssue
 OnError = Literal["fail", "drop"]
 LOCAL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
-# Every column is a plain string: tools/answers travel as JSON text (see _through_datasets).
+# Every column is a plain string: tools/answers travel as JSON text (see row_to_record).
 ROW_FEATURES = datasets.Features(
     {k: datasets.Value("string") for k in ("query", "tools", "answers", "reasoning", "system", "source")}
 )
@@ -153,32 +153,40 @@ def _read_hub(source: str, hasher: Any) -> tuple[list[Row], list[DataIssue]]:
     return rows, issues
 
 
-def _through_datasets(rows: list[Row]) -> list[Row]:
-    """Round-trip validated rows through an HF ``datasets.Dataset``.
+def row_to_record(row: Row) -> dict[str, Any]:
+    """A row as a flat record of strings (the ``ROW_FEATURES`` columns); see :func:`record_to_row`.
 
     tools/answers are stored as JSON strings on purpose: arrow would otherwise unify the
     nested dict keys across rows and add ``null`` keys to every tool's JSON schema and every
     call's arguments, which changes what the model sees and breaks argument checks.
     """
-    records = [
-        {
-            "query": r.query,
-            "tools": json.dumps(r.tools, ensure_ascii=False),
-            "answers": json.dumps(r.answers, ensure_ascii=False),
-            "reasoning": r.reasoning,
-            "system": r.system,
-            "source": r.source,
-        }
-        for r in rows
-    ]
-    ds = datasets.Dataset.from_list(records, features=ROW_FEATURES)
+    return {
+        "query": row.query,
+        "tools": json.dumps(row.tools, ensure_ascii=False),
+        "answers": json.dumps(row.answers, ensure_ascii=False),
+        "reasoning": row.reasoning,
+        "system": row.system,
+        "source": row.source,
+    }
+
+
+def record_to_row(record: dict[str, Any]) -> Row:
+    """The row of a record written by :func:`row_to_record` (already validated: no re-check)."""
+    return Row(
+        query=record["query"],
+        tools=json.loads(record["tools"]),
+        answers=json.loads(record["answers"]),
+        reasoning=record["reasoning"],
+        system=record["system"],
+        source=record["source"],
+    )
+
+
+def _through_datasets(rows: list[Row]) -> list[Row]:
+    """Round-trip validated rows through an HF ``datasets.Dataset`` (string columns)."""
+    ds = datasets.Dataset.from_list([row_to_record(r) for r in rows], features=ROW_FEATURES)
     cols = ds[:]  # one columnar read: per-row iteration over arrow is far slower
-    return [
-        Row(query=q, tools=json.loads(t), answers=json.loads(a), reasoning=r, system=s, source=src)
-        for q, t, a, r, s, src in zip(
-            cols["query"], cols["tools"], cols["answers"], cols["reasoning"], cols["system"], cols["source"]
-        )
-    ]
+    return [record_to_row(dict(zip(cols, values))) for values in zip(*cols.values())]
 
 
 def _collect(source: str) -> LoadedSource:

@@ -8,6 +8,10 @@ rejected with their file:line (``"fail"``); nothing is dropped or cut silently.
 
     data = prepare_dataset(DataConfig(source="data/sample/base.jsonl"), tokenizer)
     data.save("out/prepared"); data = PreparedData.load("out/prepared")
+
+``prepare_rows`` does the same for rows already read and validated (``load_source``), so a
+caller that validated a source first does not read it again; ``save_cached``/``load_cached``
+keep a prepared dataset with its tokenizer under a content key (``cache_key``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +30,7 @@ import datasets
 import numpy as np
 
 from needle.config import DataConfig
-from needle.data.load import load_source
+from needle.data.load import LoadedSource, load_source, row_to_record
 from needle.data.render import TEMPLATE, TEMPLATE_VERSION, Example, encode_example, render_text
 from needle.data.schema import Row, split_source
 from needle.errors import DataError, DataIssue
@@ -33,6 +39,8 @@ from needle.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
 META_FILE = "meta.json"
+TOKENIZER_SUBDIR = "tokenizer"
+_DONE = "prepared.ok"
 FEATURES = datasets.Features(
     {
         "ids": datasets.List(datasets.Value("int32")),
@@ -108,6 +116,11 @@ def split_indices(n: int, cfg: DataConfig) -> dict[str, list[int]]:
     return {name: sorted(int(i) for i in cuts[name]) for name in SPLITS}
 
 
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    """The content hash of a tokenizer (its JSON form): what the fingerprint and cache keys use."""
+    return hashlib.sha256(tokenizer.to_json().encode("utf-8")).hexdigest()
+
+
 def compute_fingerprint(digest: str, tokenizer: Tokenizer, cfg: DataConfig) -> str:
     """sha256 over the input bytes' digest, template, tokenizer, split config and max_len."""
     h = hashlib.sha256()
@@ -121,23 +134,13 @@ def compute_fingerprint(digest: str, tokenizer: Tokenizer, cfg: DataConfig) -> s
         "max_len": cfg.max_len,
     }
     h.update(json.dumps(parts, sort_keys=True).encode("utf-8"))
-    h.update(hashlib.sha256(tokenizer.to_json().encode("utf-8")).digest())
+    h.update(bytes.fromhex(tokenizer_sha256(tokenizer)))
     return h.hexdigest()
 
 
 def _record(row: Row, ex: Example) -> dict[str, Any]:
-    return {
-        "ids": ex.ids,
-        "loss_mask": ex.loss_mask,
-        "length": len(ex.ids),
-        "truncated": ex.truncated,
-        "query": row.query,
-        "tools": json.dumps(row.tools, ensure_ascii=False),
-        "answers": json.dumps(row.answers, ensure_ascii=False),
-        "reasoning": row.reasoning,
-        "system": row.system,
-        "source": row.source,
-    }
+    meta = {"ids": ex.ids, "loss_mask": ex.loss_mask, "length": len(ex.ids), "truncated": ex.truncated}
+    return {**meta, **row_to_record(row)}
 
 
 def _length_stats(lengths: list[int]) -> dict[str, float]:
@@ -156,9 +159,11 @@ def _issue_kind(reason: str) -> str:
 
 def prepare_dataset(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
     """Load ``cfg.source``, split it, tokenize it and build the three ``datasets.Dataset``."""
-    loaded = load_source(cfg.source, cfg.on_error)
-    rows = loaded.rows
-    examples = [encode_example(r, tokenizer, cfg.max_len) for r in rows]
+    return prepare_rows(load_source(cfg.source, cfg.on_error), cfg, tokenizer)
+
+
+def _check_truncation(rows: list[Row], examples: list[Example], cfg: DataConfig) -> list[Row]:
+    """The truncated rows: refused with file:line (``on_truncate="fail"``) or logged."""
     truncated = [r for r, ex in zip(rows, examples) if ex.truncated]
     if truncated and cfg.on_truncate == "fail":
         issues = [DataIssue(*split_source(r.source), f"row is longer than max_len={cfg.max_len} tokens") for r in truncated]
@@ -166,6 +171,14 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
     if truncated:
         log.warning("%d of %d rows exceed max_len=%d tokens and were truncated (first: %s)",
                     len(truncated), len(rows), cfg.max_len, truncated[0].source)  # fmt: skip
+    return truncated
+
+
+def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
+    """Split, tokenize and build the three ``datasets.Dataset`` of rows read by ``load_source``."""
+    rows = loaded.rows
+    examples = [encode_example(r, tokenizer, cfg.max_len) for r in rows]
+    truncated = _check_truncation(rows, examples, cfg)
     parts = split_indices(len(rows), cfg)
     splits: dict[str, datasets.Dataset] = {}
     tokens: dict[str, dict[str, int]] = {}
@@ -190,3 +203,33 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
         "max_len": cfg.max_len,
     }
     return PreparedData(splits, compute_fingerprint(loaded.digest, tokenizer, cfg), stats)
+
+
+def cache_key(digest: str, cfg: DataConfig, tokenizer_id: str) -> str:
+    """The key of a prepared dataset: input bytes' digest, prep config and tokenizer identity.
+
+    The source path itself is not part of it: moving a file must not re-prepare it.
+    """
+    parts = {"data": digest, "cfg": cfg.model_dump(mode="json", exclude={"source"}), "tok": tokenizer_id}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def save_cached(prepared: PreparedData, tokenizer: Tokenizer, directory: str | Path) -> Path:
+    """Write the splits and tokenizer to a temp sibling, then rename: never half-written."""
+    out = Path(directory)
+    tmp = out.with_name(out.name + ".tmp-%d" % os.getpid())
+    prepared.save(tmp)
+    tokenizer.save(tmp / TOKENIZER_SUBDIR)
+    (tmp / _DONE).write_text(prepared.fingerprint)
+    if out.exists():  # a half-written earlier attempt
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def load_cached(directory: str | Path) -> tuple[PreparedData, Tokenizer] | None:
+    """The prepared dataset and tokenizer saved by :func:`save_cached`, or None if incomplete."""
+    path = Path(directory)
+    if not (path / _DONE).exists():
+        return None
+    return PreparedData.load(path), Tokenizer.load(path / TOKENIZER_SUBDIR)

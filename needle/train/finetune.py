@@ -1,11 +1,14 @@
 """Library entry point for one training run: build, resume, train, export.
 
-``run_training`` is what the Prefect task and the CLI call. By ``train_cfg.mode``:
+``run_training`` is what the pipeline's ``train`` stage calls. By ``train_cfg.mode``:
 ``scratch`` initialises a model randomly; ``full`` trains every weight of a base model;
-``lora`` trains adapters on a frozen base (both load ``base_model_dir`` with
-``needle.model.io.load_model``). Checkpoints go to ``out_dir/checkpoints`` and a rerun with
-the same configs and data resumes from the newest one (a different config or dataset is
-refused). The merged model is exported to ``out_dir/model`` with ``save_model``.
+``lora`` trains adapters on a frozen base (both take the base as a ``LoadedModel`` in ``base``,
+or load ``base_model_dir`` with ``needle.model.io.load_model``). Checkpoints go to
+``out_dir/checkpoints`` and a rerun with the same configs and data resumes from the newest one
+(a different config or dataset is refused). The merged model is exported to ``out_dir/model``
+with ``save_model``. The steps, each a function below: build the state, the resume record
+(``resume_meta``), the batch plans, the logged params, train with checkpoint and metrics hooks
+(``train_with_checkpoints``), export.
 
     from needle.train.finetune import run_training
     result = run_training(prepared, tok, model_cfg, train_cfg, optim_cfg, lora_cfg,
@@ -21,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, flatten_config
 from needle.data.batching import BatchPlan
 from needle.data.prepare import PreparedData
 from needle.hardware import BackendSettings, enable_compilation_cache, settings_for
 from needle.model import lora as lora_lib
-from needle.model.io import load_model, save_model
+from needle.model.io import LoadedModel, load_model, save_model
 from needle.model.transformer import Transformer
 from needle.tokenizer import Tokenizer
 from needle.tracking import NoopTracker, Tracker
@@ -62,29 +66,34 @@ def initial_params(
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
     lora_cfg: LoraConfig | None,
-    base_model_dir: str | Path | None,
+    base: str | Path | LoadedModel | None,
     settings: BackendSettings,
 ) -> Any:
-    """Starting params for the mode: random (scratch), the base (full), base + fresh adapters (lora)."""
+    """Starting params for the mode: random (scratch), the base (full), base + fresh adapters (lora).
+
+    ``base`` is the base model's directory or the ``LoadedModel`` already read from it; its
+    arrays are copied, since training donates (frees) the state's buffers.
+    """
     mode = train_cfg.mode
     if mode == "scratch":
         return lora_lib.init_params(model_cfg, None, train_cfg.seed, settings)
-    if base_model_dir is None:
+    if base is None:
         raise ValueError(f"mode {mode!r} trains on top of a base model: pass base_model_dir")
-    base = load_model(base_model_dir)
-    ours, theirs = model_cfg.model_dump(exclude={"preset"}), base.model_cfg.model_dump(exclude={"preset"})
+    loaded = base if isinstance(base, LoadedModel) else load_model(base)
+    ours, theirs = model_cfg.model_dump(exclude={"preset"}), loaded.model_cfg.model_dump(exclude={"preset"})
     differing = sorted(k for k in ours if ours[k] != theirs[k])
     if differing:
         raise ValueError(
-            f"model config differs from the base model at {base_model_dir} in {differing}; "
+            f"model config differs from the base model at {base} in {differing}; "
             "pass the base's config (load_model(dir).model_cfg)"
         )
+    base_params = jax.tree.map(jnp.copy, loaded.params) if loaded is base else loaded.params
     if mode == "full":
-        return base.params
+        return base_params
     if lora_cfg is None:
         raise ValueError("mode 'lora' needs a LoraConfig")
     fresh = lora_lib.init_params(model_cfg, lora_cfg, train_cfg.seed, settings)
-    return lora_lib.attach_base(fresh, base.params)
+    return lora_lib.attach_base(fresh, base_params)
 
 
 def make_plans(
@@ -106,58 +115,71 @@ def _tokenizer_record(tokenizer: Tokenizer, out_dir: Path) -> tuple[str, str]:
     return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def run_training(
-    prepared: PreparedData,
-    tokenizer: Tokenizer,
+def build_state(
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
     optim_cfg: OptimConfig,
-    lora_cfg: LoraConfig | None = None,
-    *,
-    base_model_dir: str | Path | None = None,
-    out_dir: str | Path,
-    tracker: Tracker | None = None,
-    settings: BackendSettings | None = None,
-) -> TrainResult:
-    """Train (resuming if a matching checkpoint exists) and export the merged model."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tracker = tracker or NoopTracker()
-    settings = settings or settings_for(jax.default_backend())
-    enable_compilation_cache(train_cfg.compilation_cache_dir)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")
-    lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
-
-    params = initial_params(model_cfg, train_cfg, lora_cfg, base_model_dir, settings)
+    lora_cfg: LoraConfig | None,
+    base: str | Path | LoadedModel | None,
+    settings: BackendSettings,
+) -> TrainState:
+    """The fresh train state of the mode (trainable/frozen split, optimizer, RNG)."""
+    params = initial_params(model_cfg, train_cfg, lora_cfg, base, settings)
     trainable, frozen = lora_lib.split_trainable(params, train_cfg.mode)
     model = Transformer(model_cfg, lora_cfg, settings)
-    state = create_state(
+    return create_state(
         make_apply_fn(model), trainable, frozen, optim_cfg, train_cfg.steps,
         grad_accum=train_cfg.grad_accum, seed=train_cfg.seed,
     )  # fmt: skip
 
+
+def resume_meta(
+    prepared: PreparedData,
+    tokenizer: Tokenizer,
+    configs: tuple[ModelConfig, TrainConfig, OptimConfig, LoraConfig | None],
+    out: Path,
+) -> dict[str, Any]:
+    """What a checkpoint in ``out`` must match to be resumed: data, configs (no cadences), tokenizer."""
+    model_cfg, train_cfg, optim_cfg, lora_cfg = configs
     tok_path, tok_sha = _tokenizer_record(tokenizer, out)
-    configs = {
+    named = {
         "model": model_cfg.model_dump(mode="json", exclude={"preset"}),
         "train": train_cfg.model_dump(mode="json", exclude=_CADENCE_FIELDS),
         "optim": optim_cfg,
         "lora": lora_cfg,
     }
-    meta = build_meta(fingerprint=prepared.fingerprint, configs=configs, tokenizer_sha256=tok_sha, tokenizer_path=tok_path)
-    mesh = make_mesh()
-    if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
-        raise ValueError(f"batch_size={train_cfg.batch_size} does not divide across {data_size(mesh)} devices")
-    plan, val_plan = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id)
+    return build_meta(fingerprint=prepared.fingerprint, configs=named, tokenizer_sha256=tok_sha, tokenizer_path=tok_path)
 
-    tracker.log_params({
+
+def run_params(
+    configs: tuple[ModelConfig, TrainConfig, OptimConfig, LoraConfig | None],
+    prepared: PreparedData,
+    state: TrainState,
+    n_rows: int,
+    devices: int,
+    backend: str,
+) -> dict[str, Any]:
+    """The run's params for the tracker: flattened configs, data and parameter counts, devices."""
+    model_cfg, train_cfg, optim_cfg, lora_cfg = configs
+    return {
         **flatten_config(model_cfg, "model."), **flatten_config(train_cfg, "train."),
         **flatten_config(optim_cfg, "optim."), **(flatten_config(lora_cfg, "lora.") if lora_cfg else {}),
-        "data.fingerprint": prepared.fingerprint, "data.train_rows": len(plan),
-        "params.trainable": lora_lib.count_params(trainable), "params.frozen": lora_lib.count_params(frozen),
-        "devices": data_size(mesh), "backend": settings.backend,
-    })  # fmt: skip
+        "data.fingerprint": prepared.fingerprint, "data.train_rows": n_rows,
+        "params.trainable": lora_lib.count_params(state.trainable), "params.frozen": lora_lib.count_params(state.frozen),
+        "devices": devices, "backend": backend,
+    }  # fmt: skip
 
+
+def train_with_checkpoints(
+    state: TrainState,
+    plans: tuple[BatchPlan, BatchPlan | None],
+    train_cfg: TrainConfig,
+    meta: dict[str, Any],
+    out: Path,
+    tracker: Tracker,
+    mesh: Any,
+) -> TrainResult:
+    """Resume from the newest matching checkpoint in ``out``, train, checkpoint and log on cadence."""
     ckpt = Checkpointer(out / "checkpoints", keep=train_cfg.keep_checkpoints)
     try:
         restored = ckpt.restore_latest(state, meta)
@@ -170,9 +192,48 @@ def run_training(
             metrics_hook(lambda m, step: tracker.log_metrics(m, step=step), train_cfg.log_every),
             checkpoint_hook(ckpt, meta, train_cfg.checkpoint_every),
         ]
-        result = train(state, plan, train_cfg, mesh=mesh, hooks=hooks, val_plan=val_plan, start_step=start_step)
+        plan, val_plan = plans
+        return train(state, plan, train_cfg, mesh=mesh, hooks=hooks, val_plan=val_plan, start_step=start_step)
     finally:
         ckpt.close()
+
+
+def run_training(
+    prepared: PreparedData,
+    tokenizer: Tokenizer,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    optim_cfg: OptimConfig,
+    lora_cfg: LoraConfig | None = None,
+    *,
+    base_model_dir: str | Path | None = None,
+    base: LoadedModel | None = None,
+    out_dir: str | Path,
+    tracker: Tracker | None = None,
+    settings: BackendSettings | None = None,
+) -> TrainResult:
+    """Train (resuming if a matching checkpoint exists) and export the merged model.
+
+    ``base`` is the base model already loaded from ``base_model_dir`` (read here when absent).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tracker = tracker or NoopTracker()
+    settings = settings or settings_for(jax.default_backend())
+    enable_compilation_cache(train_cfg.compilation_cache_dir)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")
+    lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
+    configs = (model_cfg, train_cfg, optim_cfg, lora_cfg)
+    state = build_state(*configs, base if base is not None else base_model_dir, settings)
+    meta = resume_meta(prepared, tokenizer, configs, out)
+    mesh = make_mesh()
+    if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
+        raise ValueError(f"batch_size={train_cfg.batch_size} does not divide across {data_size(mesh)} devices")
+    plans = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id)
+    params = run_params(configs, prepared, state, len(plans[0]), data_size(mesh), settings.backend)
+    tracker.log_params(params)
+    result = train_with_checkpoints(state, plans, train_cfg, meta, out, tracker, mesh)
     assert result.state is not None
     export_meta = {
         "mode": train_cfg.mode, "fingerprint": prepared.fingerprint, "steps": result.final_step,
@@ -181,7 +242,7 @@ def run_training(
         "lora": None if lora_cfg is None else lora_cfg.model_dump(mode="json"),
     }  # fmt: skip
     model_dir = export_model(result.state, out / "model", model_cfg, lora_cfg, tokenizer, export_meta)
-    return replace(result, model_dir=str(model_dir), state=None)
+    return replace(result, model_dir=str(model_dir), state=None, params=params)
 
 
 def export_model(

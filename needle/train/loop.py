@@ -3,9 +3,9 @@
 ``train`` dispatches ``train_step`` asynchronously and keeps its metrics as device arrays;
 every ``log_every`` steps (and whenever a hook is due, and at the end) it fetches them in one
 transfer, stops with ``NonFiniteLossError`` on a NaN/inf loss (before any hook, so no
-checkpoint of a bad state is written), then runs the hooks in order. Hooks are Levanter-style
-callables ``fn(step, state, metrics) -> dict | None`` outside jit; a returned dict (e.g. the
-validation loss) is merged into the step's metrics record for the hooks after it.
+checkpoint of a bad state is written), adds the validation loss when it is due, then runs the
+hooks in order. Hooks are Levanter-style callables ``fn(info: StepInfo) -> None`` outside jit:
+``info`` holds the step, the state and a read-only view of that step's metrics record.
 
     result = train(state, plan, train_cfg, mesh=make_mesh(),
                    hooks=[metrics_hook(tracker_cb), checkpoint_hook(ckpt, meta, every=100)],
@@ -20,7 +20,9 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import jax
@@ -40,7 +42,18 @@ log = logging.getLogger(__name__)
 _train_step = jax.jit(train_step, donate_argnums=0)
 _eval_step = jax.jit(eval_step)
 
-HookFn = Callable[[int, TrainState, dict[str, Any]], "dict[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What a hook is given after a step: the step, the state after it, its metrics (read-only)."""
+
+    step: int
+    state: TrainState
+    metrics: Mapping[str, Any]
+
+
+HookFn = Callable[[StepInfo], None]
 
 
 class BatchSource(Protocol):
@@ -60,7 +73,12 @@ class Hook:
     name: str = "hook"
 
     def due(self, step: int, final_step: int) -> bool:
-        return step == final_step or (self.every > 0 and step % self.every == 0)
+        return _due(step, final_step, self.every)
+
+
+def _due(step: int, final_step: int, every: int) -> bool:
+    """After the last step, and after multiples of ``every`` (0: only the last)."""
+    return step == final_step or (every > 0 and step % every == 0)
 
 
 @dataclass
@@ -77,18 +95,20 @@ class TrainResult:
     # The final train state (device arrays); run_training drops it after export so the result
     # stays plain data.
     state: TrainState | None = field(default=None, repr=False, compare=False)
+    # What run_training logged as the run's params (configs, data, sizes), for records.
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 def metrics_hook(callback: Callable[[dict[str, Any], int], None], every: int = 1) -> Hook:
     """Pass each fetched metrics record (loss, tokens/s, step time, ...) to ``callback(m, step)``."""
-    return Hook(lambda step, state, metrics: callback(dict(metrics), step), every, "metrics")
+    return Hook(lambda info: callback(dict(info.metrics), info.step), every, "metrics")
 
 
 def checkpoint_hook(ckpt: Checkpointer, meta: dict[str, Any], every: int) -> Hook:
     """Save a checkpoint every ``every`` steps and after the last step."""
 
-    def save(step: int, state: TrainState, metrics: dict[str, Any]) -> None:
-        ckpt.save(state, meta, step=step)
+    def save(info: StepInfo) -> None:
+        ckpt.save(info.state, meta, step=info.step)
 
     return Hook(save, every, "checkpoint")
 
@@ -101,11 +121,6 @@ def evaluate_loss(state: TrainState, plan: BatchSource, mesh: Mesh | None = None
         loss_sum, tokens = loss_sum + out["loss_sum"], tokens + out["tokens"]
     loss_sum, tokens = (float(x) for x in jax.device_get((loss_sum, tokens)))
     return {"val_loss": loss_sum / tokens if tokens else float("nan"), "val_tokens": tokens}
-
-
-def validation_hook(plan: BatchSource, every: int, mesh: Mesh | None = None) -> Hook:
-    """Add ``val_loss``/``val_tokens`` to the metrics every ``every`` steps and at the end."""
-    return Hook(lambda step, state, metrics: evaluate_loss(state, plan, mesh), every, "validation")
 
 
 class _Progress:
@@ -157,6 +172,47 @@ def _fetch(pending: list[tuple[int, dict[str, jax.Array]]]) -> list[tuple[int, d
     return out
 
 
+class _Window:
+    """The steps dispatched since the last fetch, and throughput bookkeeping across windows."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, dict[str, jax.Array]]] = []
+        self.tokens = 0  # padded tokens (B*T) since the last fetch: compute throughput
+        self.t_start = self.t_window = time.perf_counter()
+        self.timed_tokens, self.timed_s = 0, 0.0  # throughput excluding the first window (compilation)
+
+    def add(self, step: int, metrics: dict[str, jax.Array], batch_tokens: int) -> None:
+        self.pending.append((step, metrics))
+        self.tokens += batch_tokens
+
+    def close(self, step: int, first: bool) -> dict[str, Any]:
+        """Fetch the window's metrics (raising on a non-finite loss) into one record."""
+        window = _fetch(self.pending)
+        now = time.perf_counter()
+        dt = now - self.t_window
+        record = _summarise(step, window, self.tokens, dt)
+        if not first:
+            self.timed_tokens, self.timed_s = self.timed_tokens + self.tokens, self.timed_s + dt
+        self.pending, self.tokens, self.t_window = [], 0, now
+        return record
+
+    def result(self, history: list[dict[str, Any]], final_step: int, state: TrainState) -> TrainResult:
+        wall = time.perf_counter() - self.t_start
+        timed_tokens, timed_s = self.timed_tokens, self.timed_s
+        if not timed_s and history:  # a single window: include it, compilation and all
+            timed_tokens, timed_s = sum(r["batch_tokens"] for r in history), wall
+        return TrainResult(
+            model_dir=None,
+            final_step=final_step,
+            history=history,
+            train_loss=history[-1]["loss"] if history else None,
+            val_loss=next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None),
+            wall_s=wall,
+            tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
+            state=state,
+        )
+
+
 def train(
     state: TrainState,
     plan: BatchSource,
@@ -168,58 +224,38 @@ def train(
     start_step: int = 0,
     progress: bool = True,
 ) -> TrainResult:
-    """Run steps ``start_step+1 .. train_cfg.steps``; batch ``i`` is ``plan.batch(i)``."""
+    """Run steps ``start_step+1 .. train_cfg.steps``; batch ``i`` is ``plan.batch(i)``.
+
+    The validation loss (``val_plan``, every ``eval_every`` steps and at the end) is added to a
+    step's record before the hooks run, so they all see it.
+    """
     total = train_cfg.steps
     if mesh is not None:
         state = replicate(state, mesh)
-    all_hooks = list(hooks)
-    if val_plan is not None:
-        # First, so the hooks after it (metrics, tracker) see val_loss.
-        all_hooks.insert(0, validation_hook(val_plan, train_cfg.eval_every, mesh))
     history: list[dict[str, Any]] = []
-    pending: list[tuple[int, dict[str, jax.Array]]] = []
-    window_tokens = 0  # padded tokens (B*T) processed since the last fetch: compute throughput
-    t_start = t_window = time.perf_counter()
-    timed_tokens, timed_s = 0, 0.0  # throughput excluding the first window (compilation)
+    window = _Window()
     bar = _Progress(progress, start_step, total)
     try:
         for step in range(start_step + 1, total + 1):
             batch = plan.batch(step - 1)
-            window_tokens += int(np.prod(np.shape(batch["inputs"])))
             state, metrics = _train_step(state, shard_batch(batch, mesh) if mesh is not None else batch)
-            pending.append((step, metrics))
+            window.add(step, metrics, int(np.prod(np.shape(batch["inputs"]))))
             bar.advance()
-            due = [h for h in all_hooks if h.due(step, total)]
-            if not due and step % train_cfg.log_every and step != total:
+            due = [h for h in hooks if h.due(step, total)]
+            validate = val_plan is not None and _due(step, total, train_cfg.eval_every)
+            if not (due or validate) and step % train_cfg.log_every and step != total:
                 continue
-            window = _fetch(pending)
-            now = time.perf_counter()
-            dt = now - t_window
-            record = _summarise(step, window, window_tokens, dt)
-            if history:
-                timed_tokens, timed_s = timed_tokens + window_tokens, timed_s + dt
-            pending, window_tokens, t_window = [], 0, now
+            record = window.close(step, first=not history)
+            if validate:
+                record.update(evaluate_loss(state, val_plan, mesh))
+            info = StepInfo(step, state, MappingProxyType(record))
             for hook in due:
-                extra = hook.fn(step, state, record)
-                if extra:
-                    record.update(extra)
+                hook.fn(info)
             history.append(record)
             bar.report(step, total, record)
     finally:
         bar.close()
-    wall = time.perf_counter() - t_start
-    if not timed_s and history:  # a single window: include it, compilation and all
-        timed_tokens, timed_s = sum(r["batch_tokens"] for r in history), wall
-    return TrainResult(
-        model_dir=None,
-        final_step=max(total, start_step),
-        history=history,
-        train_loss=history[-1]["loss"] if history else None,
-        val_loss=next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None),
-        wall_s=wall,
-        tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
-        state=state,
-    )
+    return window.result(history, max(total, start_step), state)
 
 
 def _summarise(step: int, window: list[tuple[int, dict[str, float]]], tokens: int, dt: float) -> dict[str, Any]:

@@ -85,9 +85,9 @@ def test_resume_after_a_stop_between_saves_matches_the_uninterrupted_run(tmp_pat
 
     ckpt = Checkpointer(tmp_path)
 
-    def crash(step, state, metrics):
-        if step == 5:
-            raise StopAt(step)
+    def crash(info):
+        if info.step == 5:
+            raise StopAt(info.step)
 
     with pytest.raises(StopAt):
         train(make_state(steps=6), make_plan(), cfg, hooks=[checkpoint_hook(ckpt, META, 3), Hook(crash, 1)])

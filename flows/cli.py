@@ -1,0 +1,92 @@
+"""The `needle` console script: the library's commands (needle.cli) plus `finetune`, the flow.
+
+    needle finetune data/sample/new.jsonl --preset small --base auto   # = make run
+    python -m flows.cli finetune DATA [--base DIR] [--steps N] [--params '{"lora": {"rank": 8}}']
+
+`finetune` runs the Prefect flow in-process on Prefect's ephemeral API with Prefect and MLflow
+state under .state/ (or $NEEDLE_STATE_DIR). The environment it needs is set here, in the entry
+point, before Prefect is imported; importing this module changes nothing.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from flows.paths import state_dir, tracking_uri
+from needle import cli as needle_cli
+from needle.config import preset_names
+
+
+def add_finetune(sub: Any) -> None:
+    """The `finetune` subcommand, for needle.cli's parser."""
+    p = sub.add_parser("finetune", help="run the Prefect flow `needle` in-process (embedded default)")
+    p.add_argument("data", help="JSONL path, glob or hub id")
+    p.add_argument("--preset", choices=preset_names(), default=None, help="model preset of the auto base (default small)")
+    p.add_argument("--base", default="auto", help="exported base model dir, or 'auto' to train one")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--params", default=None, help="further FinetuneParams as a JSON object")
+    p.set_defaults(func=_cmd_finetune, own_logging=True)  # Prefect routes needle's log lines
+
+
+def _cmd_finetune(args: Any) -> int:
+    overrides = json.loads(args.params) if args.params else {}
+    params = {"data": args.data, "preset": args.preset, "base_model": args.base, "steps": args.steps, **overrides}
+    run_embedded(**params)
+    return 0
+
+
+def embedded_env(state: Path, tracking_uri: str) -> dict[str, str]:
+    """Environment defaults of an embedded run: Prefect home and MLflow store under ``state``."""
+    return {
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        # Training progress is logged by the `needle` logger; Prefect forwards it to the run's
+        # logs when this is set before Prefect configures logging (prefect.yaml sets it for workers).
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "needle",
+        "MLFLOW_TRACKING_URI": tracking_uri,
+    }
+
+
+def run_embedded(**params: Any) -> dict[str, Any]:
+    """Run the flow in-process with Prefect and MLflow state under .state/ in the checkout."""
+    state = state_dir()
+    for key, value in embedded_env(state, tracking_uri(state)).items():
+        os.environ.setdefault(key, value)
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    from prefect.context import SettingsContext
+    from prefect.settings import Settings
+
+    from flows import run_record as rec
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+
+    p = FinetuneParams(**{k: v for k, v in params.items() if v is not None})
+    # Prefect may have read its settings before the environment above was set (an earlier
+    # import): settings derived from PREFECT_HOME (the database, result storage) are rebuilt.
+    with SettingsContext(profile=SettingsContext.get().profile, settings=Settings()):
+        result = needle(p)
+    _print_result(result, rec.ui_link)
+    return result
+
+
+def _print_result(result: dict[str, Any], ui_link: Any) -> None:
+    uri = result["tracking_uri"]
+    print(f"\nMLflow run {result['run_id']} (tracking URI {uri})")
+    version = (result.get("model_version") or {}).get("version")
+    print(f"Tuned model: {result['model_dir']}" + (f"  (registered: models:/needle/{version})" if version else ""))
+    if not uri.startswith("http"):
+        print(f"Browse it: mlflow ui --backend-store-uri {uri}  then open "
+              f"{ui_link(uri, result['experiment_id'], result['run_id'])}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the `needle` console script."""
+    return needle_cli.main(argv, extensions=[add_finetune])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The pipeline: plain, typed stages over needle configs. Every entry point composes these.
+
+`needle train`, the benchmark and the Prefect flow (one Prefect task per stage) call the same
+functions, so there is one path from a JSONL file to a registered model::
+
+    source   = load_data(path, on_error)                     # read and validate, once per run
+    base     = obtain_base("auto" | model_dir, preset=..., auto=AutoBase(...), state_dir=...)
+    prepared = prepare_data(data_cfg, source, tokenizer=base.tokenizer, cache_dir=...)
+    trained  = train(prepared, base.model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=...)
+    report   = evaluate(base, trained.model_dir, prepared, eval_cfg, out_dir)
+    decision = decide_registration(report.tuned, champion_metrics)
+
+Stages take configs and earlier stages' results and return frozen dataclasses; they write only
+under the directories they are given and report through a ``Tracker``. Nothing here imports
+Prefect or the shell; MLflow is reached only through ``needle.tracking``/``needle.registry``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from needle.config import DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from needle.config import DEFAULT_PRESET, model_preset
+from needle.data.load import LoadedSource, OnError, load_source
+from needle.data.prepare import PreparedData, cache_key, collect_texts, load_cached, prepare_rows, save_cached
+from needle.data.prepare import tokenizer_sha256
+from needle.errors import NeedleError
+from needle.eval.evaluate import evaluate_model
+from needle.eval.report import compare, summary_of, write_report
+from needle.model.io import LoadedModel, load_model
+from needle.registry import Registration, decide_registration
+from needle.tokenizer import Tokenizer, train_tokenizer
+from needle.tracking import NoopTracker, PrefixedTracker, Tracker
+from needle.train.finetune import run_training
+
+__all__ = [
+    "AutoBase", "Base", "Evaluation", "LoadedSource", "PreparedSet", "Registration", "Trained",
+    "load_data", "obtain_base", "prepare_data", "train", "evaluate", "decide_registration",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+BASE_PREFIX = "base/"  # tracking keys of the base's own training (base/loss, base/train.steps)
+_BASE_RECORD = "base.json"
+
+
+@dataclass(frozen=True)
+class PreparedSet:
+    """Tokenized splits and the tokenizer that made them; ``directory`` holds both when saved."""
+
+    data: PreparedData
+    tokenizer: Tokenizer
+    directory: Path | None
+    cached: bool
+
+    @property
+    def fingerprint(self) -> str:
+        return self.data.fingerprint
+
+
+@dataclass(frozen=True)
+class AutoBase:
+    """How the ``auto`` base is trained (mode scratch): on which rows, with which configs."""
+
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    optim: OptimConfig
+
+
+@dataclass(frozen=True)
+class Base:
+    """The base model, loaded once per run; ``record`` is what training an ``auto`` base logged."""
+
+    spec: str  # what was asked for: "auto" or a model directory
+    model_dir: str
+    loaded: LoadedModel = field(repr=False)
+    cached: bool | None = None  # auto: reused from the cache (True) or trained now (False)
+    record: dict[str, Any] | None = None  # auto: {"params", "history", "fingerprint", "model_dir"}
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return self.loaded.model_cfg
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+
+@dataclass(frozen=True)
+class Trained:
+    """An exported model and how its training went (``params``: what was logged as params)."""
+
+    model_dir: str
+    final_step: int
+    train_loss: float | None
+    val_loss: float | None
+    wall_s: float
+    tokens_per_s: float
+    history: list[dict[str, Any]]
+    params: dict[str, Any]
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Both models scored on the test split: reports under ``report_dir``, the comparison."""
+
+    report_dir: Path
+    comparison: dict[str, dict[str, Any]]
+    base: dict[str, Any]
+    tuned: dict[str, Any]
+
+
+def load_data(source: str, on_error: OnError = "fail") -> LoadedSource:
+    """Read and validate every row of a source once (file:line issues; ``drop`` keeps the good)."""
+    return load_source(source, on_error)
+
+
+def prepare_data(
+    cfg: DataConfig,
+    source: LoadedSource | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> PreparedSet:
+    """Tokenize, split and fingerprint ``source`` (read from ``cfg.source`` when not given).
+
+    With ``tokenizer`` (a base's) the rows are encoded with it; without, a byte-level BPE of
+    ``vocab_size`` is trained on them. With ``cache_dir`` the result is saved under a key of the
+    input bytes, the config and the tokenizer, and an unchanged dataset is prepared once.
+    """
+    if tokenizer is None and vocab_size is None:
+        raise ValueError("prepare_data needs a tokenizer or the vocab_size of one to train")
+    source = source if source is not None else load_data(cfg.source, cfg.on_error)
+    tok_id = tokenizer_sha256(tokenizer) if tokenizer is not None else f"train:{vocab_size}"
+    directory = Path(cache_dir) / cache_key(source.digest, cfg, tok_id) if cache_dir is not None else None
+    hit = load_cached(directory) if directory is not None else None
+    if hit is not None:
+        return PreparedSet(hit[0], hit[1], directory, cached=True)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(collect_texts(source.rows), vocab_size=vocab_size)
+    data = prepare_rows(source, cfg, tokenizer)
+    if directory is not None:
+        save_cached(data, tokenizer, directory)
+    return PreparedSet(data, tokenizer, directory, cached=False)
+
+
+def obtain_base(
+    spec: str,
+    *,
+    preset: str | None = None,
+    auto: AutoBase | None = None,
+    state_dir: str | Path | None = None,
+    tracker: Tracker | None = None,
+) -> Base:
+    """The base model: ``"auto"`` trains one (``auto``) once per data and configs under
+    ``state_dir/base`` and reuses it after, replaying its logged params and curve into
+    ``tracker`` (keys prefixed ``base/``) so every run has the same keys; anything else is an
+    exported model directory, loaded (its config must match ``preset`` when one is named)."""
+    if spec != "auto":
+        return _load_base(spec, preset)
+    if auto is None or state_dir is None:
+        raise ValueError("an 'auto' base needs its AutoBase configs and a state_dir to cache it in")
+    if preset and preset != auto.model.preset:
+        raise ValueError(f"preset {preset!r} does not match the auto base's preset {auto.model.preset!r}")
+    return _auto_base(auto, Path(state_dir), PrefixedTracker(tracker or NoopTracker(), BASE_PREFIX))
+
+
+def _load_base(model_dir: str, preset: str | None) -> Base:
+    if model_dir.startswith("hf:"):
+        raise NeedleError(f"{model_dir}: Hugging Face base models are not supported by this version")
+    loaded = load_model(model_dir)
+    if preset and preset != loaded.model_cfg.preset:
+        raise ValueError(
+            f"preset {preset!r} does not match the base model's preset {loaded.model_cfg.preset!r} ({model_dir})"
+        )
+    return Base(spec=model_dir, model_dir=str(model_dir), loaded=loaded)
+
+
+def config_digest(*parts: Any) -> str:
+    """A short, stable hash of JSON-able parts (configs are hashed by their repr): names run dirs."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
+    """Train the auto base once per (data bytes, configs); reuse and replay it afterwards."""
+    source = load_data(auto.data.source, auto.data.on_error)
+    data_key = auto.data.model_dump(mode="json", exclude={"source"})
+    configs = [c.model_dump(mode="json") for c in (auto.model, auto.train, auto.optim)]
+    base_dir = state / "base" / config_digest(source.digest, data_key, *configs)
+    marker = base_dir / _BASE_RECORD
+    if marker.exists():
+        record = json.loads(marker.read_text())
+        if Path(record["model_dir"]).exists():
+            replay_record(record, tracker)
+            return Base("auto", record["model_dir"], load_model(record["model_dir"]), cached=True, record=record)
+    prepared = prepare_data(auto.data, source, vocab_size=auto.model.vocab_size, cache_dir=state / "prepared")
+    trained = train(prepared, auto.model, auto.train, auto.optim, out_dir=base_dir, tracker=tracker)
+    record = {"model_dir": trained.model_dir, "fingerprint": trained.fingerprint,
+              "params": trained.params, "history": trained.history, "prepared_dir": str(prepared.directory)}
+    marker.write_text(json.dumps(record, default=str))
+    return Base("auto", trained.model_dir, load_model(trained.model_dir), cached=False, record=record)
+
+
+def replay_record(record: dict[str, Any], tracker: Tracker) -> None:
+    """Log a cached base's params and training curve again, as its own training logged them."""
+    tracker.log_params(record.get("params", {}))
+    for rec in record.get("history", []):
+        tracker.log_metrics({k: float(v) for k, v in rec.items() if isinstance(v, (int, float))}, step=int(rec["step"]))
+
+
+def train(
+    prepared: PreparedSet,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    optim_cfg: OptimConfig,
+    lora_cfg: LoraConfig | None = None,
+    *,
+    base: Base | None = None,
+    out_dir: str | Path,
+    tracker: Tracker | None = None,
+) -> Trained:
+    """Train (scratch, or lora/full on ``base``) and export to ``out_dir/model``; resumes from
+    ``out_dir``'s checkpoints when rerun with the same configs and data (a retry)."""
+    result = run_training(
+        prepared.data, prepared.tokenizer, model_cfg, train_cfg, optim_cfg,
+        lora_cfg if train_cfg.mode == "lora" else None,
+        base_model_dir=base.model_dir if base is not None else None,
+        base=base.loaded if base is not None else None,
+        out_dir=Path(out_dir), tracker=tracker,
+    )  # fmt: skip
+    return Trained(
+        model_dir=str(result.model_dir), final_step=result.final_step, train_loss=result.train_loss,
+        val_loss=result.val_loss, wall_s=result.wall_s, tokens_per_s=result.tokens_per_s,
+        history=list(result.history), params=result.params, fingerprint=prepared.fingerprint,
+    )  # fmt: skip
+
+
+def evaluate(
+    base: Base, tuned_model_dir: str, prepared: PreparedSet, cfg: EvalConfig, out_dir: str | Path
+) -> Evaluation:
+    """Score base and tuned model's tool calls on the test split; write per-model reports and
+    ``comparison.json`` under ``out_dir``."""
+    split, out = prepared.data.splits["test"], Path(out_dir)
+    results = {}
+    for name, model in (("base", base.loaded), ("tuned", load_model(tuned_model_dir))):
+        results[name] = evaluate_model(model, split, cfg)
+        write_report(results[name], out / name)
+    comparison = compare(results["base"], results["tuned"])
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=2, sort_keys=True) + "\n")
+    return Evaluation(out, comparison, summary_of(results["base"]), summary_of(results["tuned"]))
+
+
+def model_config(preset: str | None) -> ModelConfig:
+    """The model config of a base trained from scratch: the named preset, or the default one."""
+    return model_preset(preset or DEFAULT_PRESET)

@@ -1,0 +1,84 @@
+"""The Prefect tasks: one per pipeline stage, each a one-line call of the stage in needle.pipeline.
+
+Names, retries and cache policy live on the decorators; the logic lives in the library. No task
+caches through Prefect (the stages cache their own work on disk: prepared data by content key,
+the auto base by digest, training by resumable checkpoints), and a retry is only worth it for
+failures that may not happen again: needle's own errors (bad rows, a NaN loss, a mismatched
+checkpoint) and config errors are deterministic and fail at once.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from prefect import Task, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from needle import pipeline, registry
+from needle.config import DataConfig, EvalConfig, LoraConfig, OptimConfig, TrainConfig
+from needle.errors import NeedleError
+from needle.tracking import Tracker
+
+
+def transient_only(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Prefect's retry condition: retry unless the failure is deterministic."""
+    return not isinstance(state.data, (NeedleError, ValueError))
+
+
+@task(name="validate", cache_policy=NO_CACHE)
+def validate(source: str, on_error: str) -> pipeline.LoadedSource:
+    """Read and validate every row (fails in seconds with file:line, before any training)."""
+    return pipeline.load_data(source, on_error)
+
+
+# log_prints off: datasets fingerprints functions with dill, which captures dis.dis output from
+# stdout; the flow's log_prints would turn those bytecode listings into log lines.
+@task(name="prepare", cache_policy=NO_CACHE, log_prints=False)
+def prepare(cfg: DataConfig, source: pipeline.LoadedSource, tokenizer: Any, cache_dir: Path) -> pipeline.PreparedSet:
+    """Tokenize with the base's tokenizer, split, fingerprint; cached by content under cache_dir."""
+    return pipeline.prepare_data(cfg, source, tokenizer=tokenizer, cache_dir=cache_dir)
+
+
+@task(name="base", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE,
+      log_prints=False)
+def base(spec: str, preset: Optional[str], auto: pipeline.AutoBase, state_dir: Path, tracker: Tracker) -> pipeline.Base:
+    """Load the base model, or train the 'auto' one once (resuming on retry) and reuse it after."""
+    return pipeline.obtain_base(spec, preset=preset, auto=auto, state_dir=state_dir, tracker=tracker)
+
+
+@task(name="finetune", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
+def finetune(prepared: pipeline.PreparedSet, base: pipeline.Base, train_cfg: TrainConfig, optim_cfg: OptimConfig,
+             lora: LoraConfig, out_dir: Path, tracker: Tracker) -> pipeline.Trained:
+    """Fine-tune on the base; out_dir is fixed by run and config, so a retry resumes its checkpoints."""
+    return pipeline.train(prepared, base.model_cfg, train_cfg, optim_cfg, lora, base=base, out_dir=out_dir,
+                          tracker=tracker)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(base: pipeline.Base, tuned_dir: str, prepared: pipeline.PreparedSet, cfg: EvalConfig,
+             out_dir: Path) -> pipeline.Evaluation:
+    """Score base and tuned model on the test split; reports and comparison.json under out_dir."""
+    return pipeline.evaluate(base, tuned_dir, prepared, cfg, out_dir)
+
+
+@task(name="register", cache_policy=NO_CACHE)
+def register(run_id: str, tracking_uri: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """A new version of registered model `needle`; alias `champion` moves to it if no worse."""
+    return registry.register_version(run_id, tracking_uri, metrics)
+
+
+@task(name="probe", cache_policy=NO_CACHE)
+def probe() -> dict[str, Any]:
+    """Probe the JAX runtime and publish the report as a Prefect artifact."""
+    from needle.hardware import format_probe, probe as probe_runtime
+
+    info = probe_runtime()
+    create_markdown_artifact(
+        key="hardware-probe",
+        markdown=f"## Hardware probe\n\n```\n{format_probe(info)}\n```\n\n```json\n{json.dumps(info, indent=2)}\n```\n",
+        description=f"JAX backend {info['backend']} with {info['device_count']} device(s)",
+    )
+    return info
