@@ -179,7 +179,8 @@ def _family_switches(hf: dict[str, Any], where: str) -> dict[str, Any]:
         qkv_bias=bias, o_bias=bias, qk_norm=True, norm_offset_one=True, post_norms=True, embed_scale=True,
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
         rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))),
-        attn_softcap=hf.get("attn_logit_softcapping"), final_softcap=hf.get("final_logit_softcapping"),
+        # transformers' Gemma 3 stores attn_logit_softcapping but never applies it; neither do we.
+        final_softcap=hf.get("final_logit_softcapping"),
     )  # fmt: skip
 
 

@@ -53,7 +53,8 @@ SPECS: dict[str, dict[str, Any]] = {
         query_pre_attn_scalar=24,
     ),
 }  # fmt: skip
-# Gemma 2 style soft caps (None in Gemma 3): the explicit-attention path, torch tier only.
+# Soft caps (None in Gemma 3): transformers applies the final one and ignores the attention one
+# for Gemma 3, and the importer does the same. Torch tier only.
 EXTRA_SPECS = {
     "gemma3_softcap": dict(SPECS["gemma3_text"], attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
 }

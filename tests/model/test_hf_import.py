@@ -266,3 +266,16 @@ def test_hub_id_offline_fails_at_once(monkeypatch, tmp_path):
         load_model("hf:nobody/nothing@v1")
     with pytest.raises(NeedleError, match="expected hf:owner/name"):
         resolve_model_source("hf:bad id")
+
+
+def test_softcapped_attention_path(logits_of):
+    """The explicit soft-capped attention (sliding and full layers) equals the fused path when the
+    cap is far above every logit, and differs under a tight cap."""
+    cfg = hf_config_to_model_config(FIXTURES / "gemma3_text")
+    params = load_hf_params(FIXTURES / "gemma3_text", cfg)
+    tokens = jnp.asarray(_fixture("gemma3_text")[1]["tokens"], jnp.int32)
+    plain = logits_of(Transformer(cfg), params, tokens)
+    loose = logits_of(Transformer(cfg.model_copy(update={"attn_softcap": 1e6})), params, tokens)
+    tight = logits_of(Transformer(cfg.model_copy(update={"attn_softcap": 0.5})), params, tokens)
+    np.testing.assert_allclose(np.asarray(loose), np.asarray(plain), atol=1e-4)
+    assert float(jnp.max(jnp.abs(tight - plain))) > 1e-2
