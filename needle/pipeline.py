@@ -29,7 +29,6 @@ from needle.config import DEFAULT_PRESET, model_preset
 from needle.data.load import LoadedSource, OnError, load_source
 from needle.data.prepare import PreparedData, cache_key, collect_texts, load_cached, prepare_rows, save_cached
 from needle.data.prepare import tokenizer_sha256
-from needle.errors import NeedleError
 from needle.eval.evaluate import evaluate_model
 from needle.eval.report import compare, summary_of, write_report
 from needle.model.io import LoadedModel, load_model
@@ -161,8 +160,9 @@ def obtain_base(
 ) -> Base:
     """The base model: ``"auto"`` trains one (``auto``) once per data and configs under
     ``state_dir/base`` and reuses it after, replaying its logged params and curve into
-    ``tracker`` (keys prefixed ``base/``) so every run has the same keys; anything else is an
-    exported model directory, loaded (its config must match ``preset`` when one is named)."""
+    ``tracker`` (keys prefixed ``base/``) so every run has the same keys; anything else is loaded
+    with ``load_model``: a native export, a Hugging Face model directory or ``hf:owner/name[@rev]``
+    (the model config comes from the base; a named ``preset`` must match a native base's)."""
     if spec != "auto":
         return _load_base(spec, preset)
     if auto is None or state_dir is None:
@@ -173,9 +173,7 @@ def obtain_base(
 
 
 def _load_base(model_dir: str, preset: str | None) -> Base:
-    if model_dir.startswith("hf:"):
-        raise NeedleError(f"{model_dir}: Hugging Face base models are not supported by this version")
-    loaded = load_model(model_dir)
+    loaded = load_model(model_dir)  # a native export, a Hugging Face directory or hf:owner/name[@rev]
     if preset and preset != loaded.model_cfg.preset:
         raise ValueError(
             f"preset {preset!r} does not match the base model's preset {loaded.model_cfg.preset!r} ({model_dir})"

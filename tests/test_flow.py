@@ -137,3 +137,57 @@ def test_bad_dataset_fails_without_registering(
     (run,) = client.search_runs([exp.experiment_id], "attributes.status = 'FAILED'")
     assert f"{bad_data.name}:{bad_line}:" in run.data.tags["failure_reason"]
     assert len(_versions(flow_env)) == before
+
+
+def _flat_params(model_dir: str | Path) -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    from needle.model.io import load_model
+
+    params = load_model(model_dir).params
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def _needle_train(data: Path, out: Path, *args: str) -> dict[str, Any]:
+    import json
+
+    from needle.cli import main
+
+    assert main(["train", str(data), "--out", str(out), "--steps", "4", "--batch-size", "8", *args]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_needle_train_and_the_flow_give_bit_equal_params(
+    flow_env: str, tiny_flow_params: dict[str, Any], sample_data: dict[str, Path], tmp_path: Path
+) -> None:
+    """One path: the library command and the flow train the same LoRA from the same base and data."""
+    import numpy as np
+
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+
+    base = _needle_train(sample_data["base"], tmp_path / "base", "--mode", "scratch", "--preset", "tiny")
+    lib = _needle_train(sample_data["new"], tmp_path / "lora", "--mode", "lora", "--base", base["model_dir"])
+    flow = needle(FinetuneParams(**{**tiny_flow_params, "base_model": base["model_dir"], "preset": None}))
+    assert flow["data_fingerprint"] == lib["fingerprint"]
+    ours, theirs = _flat_params(lib["model_dir"]), _flat_params(flow["model_dir"])
+    assert ours.keys() == theirs.keys()
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_dropping_bad_rows_prepares_the_same_rows_on_both_paths(
+    flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path, tmp_path: Path
+) -> None:
+    """on_error="drop" for a base trained from scratch: the library command and the flow's auto base."""
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+    from needle.data.prepare import PreparedData
+
+    lib = _needle_train(bad_data, tmp_path / "base", "--mode", "scratch", "--preset", "tiny", "--on-error", "drop")
+    flow = needle(FinetuneParams(**{**tiny_flow_params, "base_data": str(bad_data), "on_error": "drop"}))
+    assert flow["base"]["fingerprint"] == lib["fingerprint"] and lib["data_stats"]["dropped"] == 1
+    ours, theirs = PreparedData.load(lib["prepared_dir"]), PreparedData.load(flow["base"]["prepared_dir"])
+    for split in ("train", "val", "test"):
+        assert ours.splits[split]["source"] == theirs.splits[split]["source"]
+        assert ours.splits[split]["ids"] == theirs.splits[split]["ids"]

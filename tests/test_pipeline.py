@@ -1,0 +1,108 @@
+"""The pipeline stages (needle.pipeline) on their own: defaults, caching, the auto base, the champion rule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from needle import pipeline
+from needle.config import DataConfig, training_configs
+from needle.registry import decide_registration
+from needle.tracking import NoopTracker, PrefixedTracker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RecordingTracker(NoopTracker):
+    """Keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, Any] = {}
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.params.update(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+
+def test_training_configs_merge_defaults_dicts_and_shortcuts_once() -> None:
+    train, optim = training_configs("lora")
+    assert (train.mode, train.steps, train.batch_size, optim.lr, optim.warmup_steps) == ("lora", 600, 32, 5e-3, 20)
+    train, optim = training_configs("scratch", steps=7, seed=3, train={"steps": 9, "log_every": 2}, optim={"lr": 1e-4})
+    assert (train.steps, train.seed, train.log_every, optim.lr, optim.warmup_steps) == (7, 3, 2, 1e-4, 50)
+    assert training_configs("full", train={"steps": 9})[0].steps == 9
+    with pytest.raises(ValueError, match="mode"):
+        training_configs("lora", train={"mode": "full"})
+    with pytest.raises(ValueError, match="unknown mode"):
+        training_configs("prefix")
+
+
+def test_champion_rule() -> None:
+    assert decide_registration({"exact_match": 0.5}, None).champion
+    assert decide_registration({"exact_match": 0.5}, {"exact_match": "0.5"}).champion
+    assert not decide_registration({"exact_match": 0.4}, {"exact_match": "0.5"}).champion
+    assert not decide_registration({}, {"exact_match": "0.5"}).champion
+    assert decide_registration({}, {"exact_match": "None"}).champion
+    verdict = decide_registration({"exact_match": 0.7}, {"exact_match": "0.5"})
+    assert (verdict.candidate, verdict.incumbent, verdict.metric) == (0.7, 0.5, "exact_match")
+
+
+def test_prefixed_tracker_prefixes_every_key() -> None:
+    inner = RecordingTracker()
+    tracker = PrefixedTracker(inner, "base/")
+    tracker.log_params({"train.steps": 4})
+    tracker.log_metrics({"loss": 1.0}, step=2)
+    assert inner.params == {"base/train.steps": 4} and inner.metrics == [(2, {"base/loss": 1.0})]
+
+
+def test_prepare_data_validates_once_and_caches_by_content(sample_data: dict[str, Path], tmp_path: Path) -> None:
+    source = pipeline.load_data(str(sample_data["new"]))
+    cfg = DataConfig(source=str(sample_data["new"]), max_len=256)
+    first = pipeline.prepare_data(cfg, source, vocab_size=1024, cache_dir=tmp_path)
+    again = pipeline.prepare_data(cfg, source, vocab_size=1024, cache_dir=tmp_path)
+    assert not first.cached and again.cached and again.directory == first.directory
+    assert again.fingerprint == first.fingerprint and again.tokenizer.to_json() == first.tokenizer.to_json()
+    assert again.data.splits["train"]["ids"] == first.data.splits["train"]["ids"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.directory.name]  # no temp dir left
+    # With that tokenizer given, it is another key: the same rows, prepared once more.
+    given = pipeline.prepare_data(cfg, source, tokenizer=first.tokenizer, cache_dir=tmp_path)
+    assert not given.cached and given.directory != first.directory and given.fingerprint == first.fingerprint
+
+
+def test_needle_imports_no_shell_and_the_cli_keeps_working() -> None:
+    code = ("import sys, needle.cli, needle.pipeline, needle.registry, needle.tracking; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'tasks', 'mlflow')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    helps = [subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True)
+             for module in ("needle.cli", "flows.cli")]
+    assert all(h.returncode == 0 for h in helps)
+    assert "finetune" not in helps[0].stdout and "finetune" in helps[1].stdout and "train" in helps[1].stdout
+
+
+@pytest.mark.slow
+def test_auto_base_is_trained_once_and_replayed(sample_data: dict[str, Path], tmp_path: Path) -> None:
+    from needle.config import model_preset
+
+    model = model_preset("tiny")
+    train, optim = training_configs("scratch", steps=2, batch_size=8, train={"log_every": 1})
+    auto = pipeline.AutoBase(DataConfig(source=str(sample_data["base"])), model, train, optim)
+    trained, reused = RecordingTracker(), RecordingTracker()
+    first = pipeline.obtain_base("auto", auto=auto, state_dir=tmp_path, tracker=trained)
+    second = pipeline.obtain_base("auto", auto=auto, state_dir=tmp_path, tracker=reused)
+    assert (first.cached, second.cached) == (False, True) and first.model_dir == second.model_dir
+    assert first.model_cfg == second.model_cfg == model
+    assert trained.params["base/train.mode"] == "scratch" and set(reused.params) == set(trained.params)
+    assert [s for s, _ in reused.metrics] == [s for s, _ in trained.metrics] == [1, 2]
+    assert set(reused.metrics[-1][1]) == set(trained.metrics[-1][1])
+    record = json.loads((Path(first.model_dir).parent / "base.json").read_text())
+    assert record["fingerprint"] == first.record["fingerprint"]
+    with pytest.raises(ValueError, match="preset"):
+        pipeline.obtain_base(first.model_dir, preset="small")
