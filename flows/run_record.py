@@ -9,7 +9,6 @@ except ``start_run``/``end_*``, which own the flow thread's active run.
 """
 
 import json
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path

@@ -40,6 +40,7 @@ from needle.train.finetune import run_training
 __all__ = [
     "AutoBase", "Base", "Evaluation", "LoadedSource", "PreparedSet", "Registration", "Trained",
     "load_data", "obtain_base", "prepare_data", "train", "evaluate", "decide_registration",
+    "model_config", "config_digest", "replay_record",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def prepare_data(
     directory = Path(cache_dir) / cache_key(source.digest, cfg, tok_id) if cache_dir is not None else None
     hit = load_cached(directory) if directory is not None else None
     if hit is not None:
+        log.info("prepared data: reusing %s", directory)
         return PreparedSet(hit[0], hit[1], directory, cached=True)
     if tokenizer is None:
         tokenizer = train_tokenizer(collect_texts(source.rows), vocab_size=vocab_size)
@@ -196,6 +198,7 @@ def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
     if marker.exists():
         record = json.loads(marker.read_text())
         if Path(record["model_dir"]).exists():
+            log.info("auto base: reusing %s (trained once for these data and configs)", record["model_dir"])
             replay_record(record, tracker)
             return Base("auto", record["model_dir"], load_model(record["model_dir"]), cached=True, record=record)
     prepared = prepare_data(auto.data, source, vocab_size=auto.model.vocab_size, cache_dir=state / "prepared")

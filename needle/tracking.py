@@ -1,4 +1,4 @@
-"""Experiment tracking behind a small protocol: a no-op tracker and an MLflow one.
+"""Experiment tracking behind a small protocol: no-op, in-memory, MLflow, and prefixed trackers.
 
 The training loop and the pipeline stages only see :class:`Tracker`; the orchestration shell
 picks the implementation. :class:`MlflowTracker` writes to one existing MLflow run through
@@ -100,6 +100,27 @@ class NoopTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         """Nothing to finish."""
+
+
+class MemoryTracker(NoopTracker):
+    """Keeps params, metrics ``(step, metrics)`` and tags in memory: for tests and library users."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, Any] = {}
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+        self.tags: dict[str, Any] = {}
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Keep params (a later value replaces an earlier one)."""
+        self.params.update(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Keep one step's metrics."""
+        self.metrics.append((step, dict(metrics)))
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        """Keep tags."""
+        self.tags.update(tags)
 
 
 class MlflowTracker:

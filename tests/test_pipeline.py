@@ -6,30 +6,16 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from needle import pipeline
 from needle.config import DataConfig, training_configs
 from needle.registry import decide_registration
-from needle.tracking import NoopTracker, PrefixedTracker
+from needle.tracking import MemoryTracker as RecordingTracker
+from needle.tracking import PrefixedTracker
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class RecordingTracker(NoopTracker):
-    """Keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.params: dict[str, Any] = {}
-        self.metrics: list[tuple[int, dict[str, float]]] = []
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        self.params.update(params)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.metrics.append((step, dict(metrics)))
 
 
 def test_training_configs_merge_defaults_dicts_and_shortcuts_once() -> None:

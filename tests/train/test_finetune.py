@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
@@ -18,24 +17,11 @@ from train_helpers import LORA, finetune_configs, tiny_prepared, tiny_tokenizer
 from needle.config import OptimConfig
 from needle.errors import CheckpointMismatchError
 from needle.model.io import load_model
+from needle.tracking import MemoryTracker as RecordingTracker
 from needle.train.finetune import run_training
 
 WORKER = Path(__file__).with_name("train_worker.py")
 pytestmark = pytest.mark.slow
-
-
-class RecordingTracker:
-    """The Tracker methods run_training uses, recording what it was given."""
-
-    def __init__(self) -> None:
-        self.params: dict[str, Any] = {}
-        self.metrics: list[tuple[int, dict[str, float]]] = []
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        self.params.update(params)
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.metrics.append((step, dict(metrics)))
 
 
 def flat_params(model_dir: Path) -> dict[str, np.ndarray]:
