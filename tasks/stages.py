@@ -28,14 +28,14 @@ def transient_only(task: Task, task_run: TaskRun, state: State) -> bool:
     return not isinstance(state.data, (NeedleError, ValueError))
 
 
-@task(name="validate", cache_policy=NO_CACHE)
+# log_prints off here and in prepare: datasets fingerprints functions with dill, which captures
+# dis.dis output from stdout; the flow's log_prints would turn those listings into log lines.
+@task(name="validate", cache_policy=NO_CACHE, log_prints=False)
 def validate(source: str, on_error: str) -> pipeline.LoadedSource:
     """Read and validate every row (fails in seconds with file:line, before any training)."""
     return pipeline.load_data(source, on_error)
 
 
-# log_prints off: datasets fingerprints functions with dill, which captures dis.dis output from
-# stdout; the flow's log_prints would turn those bytecode listings into log lines.
 @task(name="prepare", cache_policy=NO_CACHE, log_prints=False)
 def prepare(cfg: DataConfig, source: pipeline.LoadedSource, tokenizer: Any, cache_dir: Path) -> pipeline.PreparedSet:
     """Tokenize with the base's tokenizer, split, fingerprint; cached by content under cache_dir."""
