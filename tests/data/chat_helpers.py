@@ -1,7 +1,7 @@
 """Chat-template test material: template fixtures, rows, and tiny HF-layout tokenizers built offline.
 
 Imported as ``chat_helpers`` (pytest puts tests/data on the path). The family templates in
-fixtures/templates/ were written for these tests to reproduce the output format of Qwen3
+needle/data/templates/ were written for these tests to reproduce the output format of Qwen3
 (Hermes ``<tool_call>``), Llama 3.2 (JSON calls) and Gemma 3 (no tool support);
 fixtures/chat_golden.json holds transformers' ``apply_chat_template`` output for them
 (regenerate with ``python tests/data/chat_helpers.py`` in a venv with transformers).
@@ -15,34 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "chat_golden.json"
 # Fixed so the Llama template's "Today Date" does not depend on the day the tests run.
 TEMPLATE_KWARGS = {"llama3": {"date_string": "26 Jul 2024"}}
-# Per family: the special tokens of the real vocabulary (eos first where the model has it),
-# tokenizer_config's named tokens, and generation_config's eos ids (as token strings).
-FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3": {
-        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>",
-                     "</think>"],  # fmt: skip
-        "config": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False},
-        "generation_eos": ["<|im_end|>", "<|endoftext|>"],
-    },
-    "llama3": {
-        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                     "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"],  # fmt: skip
-        "config": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True},
-        "generation_eos": ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
-    },
-    "gemma3": {
-        "specials": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
-        "config": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-                   "add_bos_token": True},  # fmt: skip
-        "generation_eos": ["<eos>", "<end_of_turn>"],
-    },
-}
+# The family specials, tokenizer_config and generation eos live with the demo-model generator.
+from needle.model.hf_sample import FAMILIES, family_template, train_family_tokenizer  # noqa: E402
+
 TIMER = {
     "name": "set_timer",
     "description": "Start a countdown timer",
@@ -72,22 +52,12 @@ CORPUS = [json.dumps(r, ensure_ascii=False) for r in ROWS.values()] * 5 + ["Give
 
 
 def template(family: str) -> str:
-    return (FIXTURES / "templates" / f"{family}.jinja").read_text(encoding="utf-8")
+    return family_template(family)
 
 
 def raw_tokenizer(family: str, vocab_size: int = 400) -> RawTokenizer:
     """A byte-level BPE with the family's special tokens, trained on a few rows (milliseconds)."""
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=FAMILIES[family]["specials"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(CORPUS, trainer=trainer)
-    return raw
+    return train_family_tokenizer(CORPUS, family, vocab_size)
 
 
 def write_hf_dir(directory: Path, family: str, with_template: bool = True) -> Path:

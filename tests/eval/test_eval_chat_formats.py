@@ -25,7 +25,7 @@ from needle.model.io import LoadedModel
 from needle.model.lora import init_params
 from needle.tokenizer import load_tokenizer
 
-QWEN_TEMPLATE = Path(__file__).parents[1] / "data" / "fixtures" / "templates" / "qwen3.jinja"
+QWEN_TEMPLATE = Path(__file__).parents[2] / "needle" / "data" / "templates" / "qwen3.jinja"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 
