@@ -152,7 +152,7 @@ class HFTokenizer:
         return self._json
 
     def save(self, directory: str | Path) -> Path:
-        """Write tokenizer.json, tokenizer_config.json and chat_template.jinja; return tokenizer.json."""
+        """Write tokenizer.json, tokenizer_config.json, chat_template.jinja (and the generation eos ids)."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         out = path / TOKENIZER_FILE
@@ -160,6 +160,10 @@ class HFTokenizer:
         (path / CONFIG_FILE).write_text(json.dumps(self._config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         if self._template is not None:
             (path / TEMPLATE_FILE).write_text(self._template, encoding="utf-8")
+        gen = path / GENERATION_FILE
+        if self._generation_eos and not gen.exists():
+            # The extra stop ids (Qwen's <|endoftext|>) live there; a saved model must keep them.
+            gen.write_text(json.dumps({"eos_token_id": list(self._generation_eos)}, indent=2) + "\n", encoding="utf-8")
         return out
 
     @classmethod

@@ -31,10 +31,10 @@ import numpy as np
 
 from needle.config import DataConfig
 from needle.data.load import LoadedSource, load_source, row_to_record
-from needle.data.render import TEMPLATE, TEMPLATE_VERSION, Example, encode_example, render_text
+from needle.data.render import TEMPLATE, TEMPLATE_VERSION, ChatFormat, Example, NativeFormat, render_text
 from needle.data.schema import Row, split_source
 from needle.errors import DataError, DataIssue
-from needle.tokenizer import Tokenizer
+from needle.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
@@ -121,13 +121,16 @@ def tokenizer_sha256(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(tokenizer.to_json().encode("utf-8")).hexdigest()
 
 
-def compute_fingerprint(digest: str, tokenizer: Tokenizer, cfg: DataConfig) -> str:
+def compute_fingerprint(digest: str, tokenizer: Tokenizer, cfg: DataConfig, fmt: ChatFormat | None = None) -> str:
     """sha256 over the input bytes' digest, template, tokenizer, split config and max_len."""
     h = hashlib.sha256()
+    # Needle's own template keeps the parts it has always hashed (existing caches stay valid);
+    # a model's chat template is hashed by its full text.
+    native = fmt is None or isinstance(fmt, NativeFormat)
     parts = {
         "input_sha256": digest,
-        "template_version": TEMPLATE_VERSION,
-        "template": TEMPLATE,
+        "template_version": TEMPLATE_VERSION if native else "chat",
+        "template": TEMPLATE if native else fmt.template_id(),
         "split_seed": cfg.split_seed,
         "val_fraction": cfg.val_fraction,
         "test_fraction": cfg.test_fraction,
@@ -174,10 +177,34 @@ def _check_truncation(rows: list[Row], examples: list[Example], cfg: DataConfig)
     return truncated
 
 
+def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fmt: ChatFormat) -> tuple[list[Row], list[Example], list[DataIssue]]:
+    """Render and tokenize every row; a row the chat template refuses is a file:line issue."""
+    from needle.data.chat import ChatTemplateError
+
+    rows, examples, refused = [], [], []
+    for row in loaded.rows:
+        try:
+            examples.append(fmt.encode_example(row, tokenizer, cfg.max_len))
+        except ChatTemplateError as e:
+            refused.append(DataIssue(*split_source(row.source), f"chat template refused the row: {e}"))
+            continue
+        rows.append(row)
+    if refused and cfg.on_error == "fail":
+        raise DataError(refused)
+    return rows, examples, refused
+
+
 def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
-    """Split, tokenize and build the three ``datasets.Dataset`` of rows read by ``load_source``."""
-    rows = loaded.rows
-    examples = [encode_example(r, tokenizer, cfg.max_len) for r in rows]
+    """Split, tokenize and build the three ``datasets.Dataset`` of rows read by ``load_source``.
+
+    Rows are rendered with the tokenizer's chat format: a pretrained model's own template, or
+    needle's (``needle.data.chat.format_for``).
+    """
+    from needle.data.chat import format_for
+
+    fmt = format_for(tokenizer)
+    rows, examples, refused = _encode_rows(loaded, cfg, tokenizer, fmt)
+    issues = [*loaded.issues, *refused]
     truncated = _check_truncation(rows, examples, cfg)
     parts = split_indices(len(rows), cfg)
     splits: dict[str, datasets.Dataset] = {}
@@ -191,18 +218,18 @@ def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) ->
         }
     stats = {
         "n_files": len(loaded.files),
-        "rows_read": len(rows) + len(loaded.issues),
+        "rows_read": len(rows) + len(issues),
         "rows": {name: len(idx) for name, idx in parts.items()},
-        "dropped": len(loaded.issues),
-        "dropped_reasons": dict(Counter(_issue_kind(i.reason) for i in loaded.issues)),
-        "dropped_examples": [str(i) for i in loaded.issues[:20]],
+        "dropped": len(issues),
+        "dropped_reasons": dict(Counter(_issue_kind(i.reason) for i in issues)),
+        "dropped_examples": [str(i) for i in issues[:20]],
         "truncated": len(truncated),
         "truncated_rows": [r.source for r in truncated[:20]],
         "tokens": tokens,
         "length": _length_stats([len(ex.ids) for ex in examples]),
         "max_len": cfg.max_len,
     }
-    return PreparedData(splits, compute_fingerprint(loaded.digest, tokenizer, cfg), stats)
+    return PreparedData(splits, compute_fingerprint(loaded.digest, tokenizer, cfg, fmt), stats)
 
 
 def cache_key(digest: str, cfg: DataConfig, tokenizer_id: str) -> str:
@@ -232,4 +259,4 @@ def load_cached(directory: str | Path) -> tuple[PreparedData, Tokenizer] | None:
     path = Path(directory)
     if not (path / _DONE).exists():
         return None
-    return PreparedData.load(path), Tokenizer.load(path / TOKENIZER_SUBDIR)
+    return PreparedData.load(path), load_tokenizer(path / TOKENIZER_SUBDIR)

@@ -88,8 +88,10 @@ def test_stop_ids_per_family(hf_dirs: dict[str, Path]) -> None:
 def test_hf_tokenizer_save_load_round_trip(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     tok = load_tokenizer(hf_dirs["qwen3"])
     tok.save(tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+    files = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
+    assert {p.name for p in tmp_path.iterdir()} == files
     back = load_tokenizer(tmp_path)
+    assert back.stop_ids == tok.stop_ids  # generation_config's extra eos ids survive a save
     assert back == tok and back.to_json() == (hf_dirs["qwen3"] / "tokenizer.json").read_text(encoding="utf-8")
     text = "<|im_start|>user\nhéllo 🎉 Zürich<|im_end|>\n<tool_call>"
     assert back.decode(back.encode(text)) == text and back.encode(text)[0] == back.token_id("<|im_start|>")
