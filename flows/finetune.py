@@ -22,7 +22,7 @@ from flows.params import FinetuneParams
 from flows.paths import resolve_source, state_dir, tracking_uri
 from needle.pipeline import config_digest
 from needle.tracking import MlflowTracker
-from tasks.stages import base, evaluate, finetune, prepare, probe, register, validate
+from tasks.stages import base, evaluate, export, finetune, prepare, probe, register, validate
 
 
 @flow(name="needle", log_prints=True)
@@ -47,7 +47,7 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     source = validate(resolve_source(p.data), p.on_error)
     hw = probe()
     base_model = base(resolve_source(p.base_model) if p.base_model != "auto" else "auto", p.preset,
-                      p.auto_base(), state, tracker)
+                      p.auto_base(), state, tracker, p.max_len)
     data_cfg = p.data_config(p.data, base_model.model_cfg)
     prepared = prepare(data_cfg, source, base_model.tokenizer, state / "prepared")
     rec.record_inputs(run, tracker, p, data_cfg, base_model, prepared, hw)
@@ -56,7 +56,8 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     run_dir = state / "runs" / str(runtime.flow_run.id or "local")
     tuned = finetune(prepared, base_model, train_cfg, optim_cfg, p.lora, run_dir / f"{p.mode}-{key}", tracker)
     report = evaluate(base_model, tuned.model_dir, prepared, p.eval, run_dir / "eval")
-    metrics = rec.record_results(run, tracker, base_model, prepared, tuned, report, run_dir)
+    exports = export(tuned.model_dir, run_dir / "export")
+    metrics = rec.record_results(run, tracker, base_model, prepared, tuned, report, run_dir, exports)
     version = register(run.run_id, run.uri, report.tuned) if p.register_model else None
     return {"hw": hw, "metrics": {"train_loss": tuned.train_loss, "val_loss": tuned.val_loss, **metrics},
             "model_version": version, "model_dir": tuned.model_dir, "data_fingerprint": prepared.fingerprint,

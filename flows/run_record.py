@@ -136,13 +136,15 @@ def record_inputs(run: MlflowRun, tracker: Tracker, p: FinetuneParams, data_cfg:
                         **{f"eval.{k}": v for k, v in p.eval.model_dump().items()}})
     log_dataset(run.run_id, prepared.data, data_cfg.source, run.client)
     tracker.log_params({f"data.{k}": v for k, v in data_cfg.model_dump(mode="json").items()})
+    tracker.log_params({f"base_model.{k}": v for k, v in base.describe().items()})
     tracker.set_tags({"backend": hw["backend"], "device_kind": hw["device_kind"], "device_count": hw["device_count"],
                       "jax_version": hw["jax_version"], "data_fingerprint": prepared.fingerprint,
                       "base_model_dir": base.model_dir, "base_cached": base.cached})
 
 
 def record_results(run: MlflowRun, tracker: Tracker, base: pipeline.Base, prepared: pipeline.PreparedSet,
-                   tuned: pipeline.Trained, report: pipeline.Evaluation, run_dir: Path) -> dict[str, float]:
+                   tuned: pipeline.Trained, report: pipeline.Evaluation, run_dir: Path,
+                   exports: dict[str, Path]) -> dict[str, float]:
     """Final losses, eval metrics, artifacts, the loss plot and the example table; the eval metrics."""
     tracker.log_metrics({k: getattr(tuned, k) for k in ("train_loss", "val_loss", "wall_s", "tokens_per_s")
                          if isinstance(getattr(tuned, k), (int, float))}, step=tuned.final_step)
@@ -152,6 +154,8 @@ def record_results(run: MlflowRun, tracker: Tracker, base: pipeline.Base, prepar
     if base.record and base.record.get("history"):
         histories["base"] = base.record["history"]
     tracker.log_artifact(tuned.model_dir, "model")
+    for fmt, path in exports.items():
+        tracker.log_artifact(path, f"export/{fmt}")  # export/hf (transformers), export/peft (adapter)
     tracker.log_artifact(Path(prepared.directory) / TOKENIZER_SUBDIR, "tokenizer")
     tracker.log_artifact(report.report_dir, "eval")
     tracker.log_artifact(plot_losses(histories, run_dir / "plots" / "loss.png"), "plots")

@@ -62,7 +62,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not scratch and not args.base:
         raise ValueError(f"mode {args.mode!r} needs a base model directory (train one with mode 'scratch')")
     source = pipeline.load_data(args.data, args.on_error)  # bad rows fail before any model loads
-    base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset)
+    base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset, max_len=args.max_len)
     model_cfg = pipeline.model_config(args.preset) if base is None else base.model_cfg
     data_cfg = DataConfig(source=args.data, max_len=model_cfg.max_len, on_error=args.on_error)
     out = Path(args.out)
@@ -84,6 +84,20 @@ def _train_summary(trained: Any, prepared: Any, mode: str, preset: str) -> dict[
         **{k: getattr(trained, k) for k in keys}, "mode": mode, "preset": preset, "steps": trained.final_step,
         "data_stats": prepared.data.stats, "prepared_dir": str(prepared.directory),
     }  # fmt: skip
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from needle.model.adapter import export_model
+
+    print(export_model(args.model, args.format, args.out))
+    return 0
+
+
+def _cmd_sample_model(args: argparse.Namespace) -> int:
+    from needle.model.hf_sample import write_random_hf_model
+
+    print(write_random_hf_model(args.out_dir, args.arch, data=args.data, vocab_size=args.vocab_size, seed=args.seed))
+    return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -128,6 +142,14 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sample)
 
+    p = sub.add_parser("sample-model", help="write a tiny random Hugging Face model (demos and tests, offline)")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", choices=["qwen3", "qwen2", "llama", "gemma3_text"], default="qwen3")
+    p.add_argument("--data", default=None, help="JSONL rows to train its tokenizer on")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sample_model)
+
 
 def _add_model_commands(sub: Any) -> None:
     p = sub.add_parser("train", help="train with the library only (no Prefect, no MLflow)")
@@ -136,7 +158,9 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--mode", choices=["lora", "full", "scratch"], default="lora")
     p.add_argument("--preset", choices=preset_names(), default=None,
                    help="model preset (scratch: default small; lora/full: must match the base's)")
-    p.add_argument("--base", default=None, help="exported base model directory (lora/full)")
+    p.add_argument("--base", default=None,
+                   help="base model (lora/full): a needle model dir, a Hugging Face model dir or hf:owner/name[@rev]")
+    p.add_argument("--max-len", type=int, default=None, help="an imported model's context (default 2048, capped by the model)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the mode's)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)
@@ -155,6 +179,12 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--tools", required=True, help="JSON file with the list of tools")
     p.add_argument("--query", default=None, help="the query (default: read stdin)")
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("export", help="write a model as a Hugging Face model or a PEFT LoRA adapter")
+    p.add_argument("model", help="needle model dir, models:/needle@champion, or a Hugging Face model dir")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--format", choices=["hf", "peft"], default="hf")
+    p.set_defaults(func=_cmd_export)
 
 
 def main(argv: Sequence[str] | None = None, extensions: Sequence[Extension] = ()) -> int:

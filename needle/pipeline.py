@@ -90,6 +90,14 @@ class Base:
     def tokenizer(self) -> Any:
         return self.loaded.tokenizer
 
+    def describe(self) -> dict[str, Any]:
+        """Where the base came from: source (hub id or path), revision, architecture, parameter count."""
+        from needle.model.lora import count_params
+
+        imported = self.loaded.meta.get("base") or {}
+        return {"source": imported.get("source", self.model_dir), "revision": imported.get("revision"),
+                "arch": self.model_cfg.arch, "n_params": imported.get("n_params") or count_params(self.loaded.params)}
+
 
 @dataclass(frozen=True)
 class Trained:
@@ -159,14 +167,16 @@ def obtain_base(
     auto: AutoBase | None = None,
     state_dir: str | Path | None = None,
     tracker: Tracker | None = None,
+    max_len: int | None = None,
 ) -> Base:
     """The base model: ``"auto"`` trains one (``auto``) once per data and configs under
     ``state_dir/base`` and reuses it after, replaying its logged params and curve into
     ``tracker`` (keys prefixed ``base/``) so every run has the same keys; anything else is loaded
     with ``load_model``: a native export, a Hugging Face model directory or ``hf:owner/name[@rev]``
-    (the model config comes from the base; a named ``preset`` must match a native base's)."""
+    (the model config comes from the base; a named ``preset`` must match a native base's;
+    ``max_len`` sets an imported model's context, see ``needle.model.hf.IMPORTED_MAX_LEN``)."""
     if spec != "auto":
-        return _load_base(spec, preset)
+        return _load_base(spec, preset, max_len)
     if auto is None or state_dir is None:
         raise ValueError("an 'auto' base needs its AutoBase configs and a state_dir to cache it in")
     if preset and preset != auto.model.preset:
@@ -174,8 +184,9 @@ def obtain_base(
     return _auto_base(auto, Path(state_dir), PrefixedTracker(tracker or NoopTracker(), BASE_PREFIX))
 
 
-def _load_base(model_dir: str, preset: str | None) -> Base:
-    loaded = load_model(model_dir)  # a native export, a Hugging Face directory or hf:owner/name[@rev]
+def _load_base(model_dir: str, preset: str | None, max_len: int | None = None) -> Base:
+    # A native export, a Hugging Face directory or hf:owner/name[@rev] (max_len: HF only).
+    loaded = load_model(model_dir, max_len=max_len)
     if preset and preset != loaded.model_cfg.preset:
         raise ValueError(
             f"preset {preset!r} does not match the base model's preset {loaded.model_cfg.preset!r} ({model_dir})"

@@ -44,9 +44,10 @@ def prepare(cfg: DataConfig, source: pipeline.LoadedSource, tokenizer: Any, cach
 
 @task(name="base", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE,
       log_prints=False)
-def base(spec: str, preset: Optional[str], auto: pipeline.AutoBase, state_dir: Path, tracker: Tracker) -> pipeline.Base:
+def base(spec: str, preset: Optional[str], auto: pipeline.AutoBase, state_dir: Path, tracker: Tracker,
+         max_len: Optional[int] = None) -> pipeline.Base:
     """Load the base model, or train the 'auto' one once (resuming on retry) and reuse it after."""
-    return pipeline.obtain_base(spec, preset=preset, auto=auto, state_dir=state_dir, tracker=tracker)
+    return pipeline.obtain_base(spec, preset=preset, auto=auto, state_dir=state_dir, tracker=tracker, max_len=max_len)
 
 
 @task(name="finetune", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
@@ -62,6 +63,14 @@ def evaluate(base: pipeline.Base, tuned_dir: str, prepared: pipeline.PreparedSet
              out_dir: Path) -> pipeline.Evaluation:
     """Score base and tuned model on the test split; reports and comparison.json under out_dir."""
     return pipeline.evaluate(base, tuned_dir, prepared, cfg, out_dir)
+
+
+@task(name="export", cache_policy=NO_CACHE)
+def export(model_dir: str, out_dir: Path) -> dict[str, Path]:
+    """Write the tuned model as a Hugging Face model (and a PEFT adapter for an imported base)."""
+    from needle.model.adapter import export_run_model
+
+    return export_run_model(model_dir, out_dir)
 
 
 @task(name="register", cache_policy=NO_CACHE)

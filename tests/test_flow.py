@@ -191,3 +191,47 @@ def test_dropping_bad_rows_prepares_the_same_rows_on_both_paths(
     for split in ("train", "val", "test"):
         assert ours.splits[split]["source"] == theirs.splits[split]["source"]
         assert ours.splits[split]["ids"] == theirs.splits[split]["ids"]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_models(tmp_path_factory: pytest.TempPathFactory, sample_data: dict[str, Path]) -> dict[str, Path]:
+    """Tiny random Qwen3 and Gemma 3 models in hub layout, tokenizers trained on the sample rows."""
+    from needle.model.hf_sample import write_random_hf_model
+
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: write_random_hf_model(root / arch, arch, data=sample_data["base"], vocab_size=512, d_model=32)
+            for arch in ("qwen3", "gemma3_text")}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_flow_finetunes_an_imported_hf_model(flow_env: str, tiny_flow_params: dict[str, Any],
+                                             tiny_hf_models: dict[str, Path], arch: str) -> None:
+    """LoRA on an imported model: its chat template, the same run record, HF and PEFT exports."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+    from needle.model.io import load_model
+
+    params = {k: v for k, v in tiny_flow_params.items() if k not in ("base_data", "base_steps", "preset")}
+    result = needle(FinetuneParams(**{**params, "base_model": str(tiny_hf_models[arch]), "max_len": 1024,
+                                      "batch_size": 4, "eval": {"max_rows": 2, "batch_size": 2, "max_new_tokens": 4}}))
+    client = MlflowClient(tracking_uri=flow_env)
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    p = run.data.params
+    assert p["base_model.arch"] == arch and p["base_model.source"] == str(tiny_hf_models[arch])
+    assert int(p["base_model.n_params"]) > 0 and p["model.arch"] == arch
+    assert {f.path for f in client.list_artifacts(run.info.run_id, "export")} == {"export/hf", "export/peft"}
+    peft_files = {Path(f.path).name for f in client.list_artifacts(run.info.run_id, "export/peft")}
+    assert peft_files == {"adapter_config.json", "adapter_model.safetensors"}
+    assert result["model_version"]["version"]
+    tuned = load_model(result["model_dir"])
+    assert tuned.tokenizer.chat_template and tuned.model_cfg.arch == arch
+    # Rows were rendered with the model's own chat template, not needle's.
+    from needle.data.prepare import PreparedData
+
+    row = PreparedData.load(result["prepared_dir"]).splits["train"][0]
+    text = tuned.tokenizer.decode(row["ids"])
+    assert text.startswith({"qwen3": "<|im_start|>system", "gemma3_text": "<bos><start_of_turn>user"}[arch])
+    assert "<|call|>" not in text

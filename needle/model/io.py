@@ -97,9 +97,13 @@ def _swap_in(staged: Path, target: Path) -> None:
 
 
 def save_model(
-    model_dir: str | Path, params: Params, model_cfg: ModelConfig, tokenizer: Any, meta: dict[str, Any]
+    model_dir: str | Path, params: Params, model_cfg: ModelConfig, tokenizer: Any, meta: dict[str, Any],
+    adapter: Params | None = None,
 ) -> Path:
-    """Write an exported model to ``model_dir`` atomically (replacing any previous one); return it."""
+    """Write an exported model to ``model_dir`` atomically (replacing any previous one); return it.
+
+    ``adapter``: the unmerged LoRA leaves, kept as ``adapter.safetensors`` for a PEFT export.
+    """
     target = Path(model_dir).absolute()
     _check_layout(params, model_cfg)
     vocab = getattr(tokenizer, "vocab_size", None)
@@ -118,6 +122,10 @@ def save_model(
         (staged / CONFIG_FILE).write_text(json.dumps(model_cfg.model_dump(mode="json"), indent=2), encoding="utf-8")
         (staged / META_FILE).write_text(meta_text, encoding="utf-8")
         tokenizer.save(staged)
+        if adapter is not None:
+            from needle.model.adapter import save_adapter
+
+            save_adapter(adapter, staged)
         if not (staged / TOKENIZER_FILE).is_file():
             raise ValueError(f"save_model: tokenizer.save() did not write {TOKENIZER_FILE}")
         _swap_in(staged, target)

@@ -240,6 +240,8 @@ def run_training(
         "train_loss": result.train_loss, "val_loss": result.val_loss,
         "base_model_dir": None if base_model_dir is None else str(base_model_dir),
         "lora": None if lora_cfg is None else lora_cfg.model_dump(mode="json"),
+        # An imported base's source, revision, architecture and size (a PEFT export names it).
+        "base": (base.meta.get("base") if base is not None else None),
     }  # fmt: skip
     model_dir = export_model(result.state, out / "model", model_cfg, lora_cfg, tokenizer, export_meta)
     return replace(result, model_dir=str(model_dir), state=None, params=params)
@@ -255,7 +257,9 @@ def export_model(
 ) -> Path:
     """Write the trained model in base layout (adapters merged) for eval, predict and the registry."""
     params = jax.device_get(lora_lib.combine(state.trainable, state.frozen))
+    adapter = None
     if lora_cfg is not None:
+        adapter = jax.device_get(state.trainable)  # kept unmerged too, for a PEFT export
         params = lora_lib.merge_lora(params, lora_cfg)
-    save_model(model_dir, params, model_cfg, tokenizer, meta)
+    save_model(model_dir, params, model_cfg, tokenizer, meta, adapter=adapter)
     return model_dir
