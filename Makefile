@@ -1,6 +1,6 @@
 # Two commands set up a fresh machine:
 #   make run   - create .venv, install, run the main job (embedded Prefect + MLflow on SQLite)
-#   make test  - create .venv, install, run the whole test suite (slow tests included)
+#   make test  - create .venv, install (with the CPU torch wheel for the reference tier), run every test
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -15,7 +15,7 @@ export DO_NOT_TRACK ?= 1
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ref]'
 	touch $(STAMP)
 
 install: $(STAMP)

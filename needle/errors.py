@@ -42,3 +42,7 @@ class NonFiniteLossError(NeedleError):
 
 class ModelImportError(NeedleError):
     """A model directory or hub id cannot be imported (or exported): names the file, key or field."""
+
+
+class ModelNotFoundError(NeedleError, FileNotFoundError):
+    """A model path that holds no model (needle's or Hugging Face's): a user mistake, exit 2."""

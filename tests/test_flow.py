@@ -235,3 +235,36 @@ def test_flow_finetunes_an_imported_hf_model(flow_env: str, tiny_flow_params: di
     text = tuned.tokenizer.decode(row["ids"])
     assert text.startswith({"qwen3": "<|im_start|>system", "gemma3_text": "<bos><start_of_turn>user"}[arch])
     assert "<|call|>" not in text
+
+
+def _broken_models(good: Path, root: Path) -> dict[str, Path]:
+    """Copies of a good HF model, each damaged one way a user's download or config can be."""
+    import json
+    import shutil
+
+    out = {}
+    for name in ("unsupported", "truncated", "vocab"):
+        out[name] = Path(shutil.copytree(good, root / name))
+    cfg = json.loads((good / "config.json").read_text())
+    (out["unsupported"] / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
+    weights = out["truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (out["vocab"] / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64}))  # tokenizer has 512
+    return out
+
+
+def test_broken_hf_base_fails_before_training_without_registering(
+    flow_env: str, tiny_flow_params: dict[str, Any], tiny_hf_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+    from needle.errors import NeedleError
+
+    before = len(_versions(flow_env))
+    expected = {"unsupported": "model_type 'bert' is not supported", "truncated": "model.safetensors",
+                "vocab": "vocab"}  # fmt: skip
+    for name, model_dir in _broken_models(tiny_hf_models["qwen3"], tmp_path).items():
+        params = {k: v for k, v in tiny_flow_params.items() if k not in ("base_data", "base_steps", "preset")}
+        with pytest.raises(NeedleError, match=expected[name]):
+            needle(FinetuneParams(**{**params, "base_model": str(model_dir)}))
+    assert len(_versions(flow_env)) == before

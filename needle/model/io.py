@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from needle.config import ModelConfig
-from needle.errors import CheckpointMismatchError, ModelImportError
+from needle.errors import CheckpointMismatchError, ModelImportError, ModelNotFoundError
 from needle.model.lora import LORA_LEAVES, Params
 from needle.model.transformer import Transformer
 
@@ -154,10 +154,10 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
         return import_hf_model(model_dir, max_len=max_len)
     root = Path(model_dir).absolute()
     if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no exported model directory here")
+        raise ModelNotFoundError(f"{root}: no exported model directory here")
     missing = [name for name in REQUIRED if not (root / name).exists()]
     if missing:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"{root}: incomplete exported model, missing {', '.join(missing)} "
             "(nor is it a Hugging Face model: no config.json with a model_type)"
         )
