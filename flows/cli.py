@@ -58,6 +58,10 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     for key, value in embedded_env(state, tracking_uri(state)).items():
         os.environ.setdefault(key, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    # Prefect's logging first: orbax (imported with the library) logs through absl at import,
+    # and absl calls logging.basicConfig() when the root logger has no handler yet, after which
+    # Prefect's console formatting is lost.
+    import prefect.main  # noqa: F401
     from prefect.context import SettingsContext
     from prefect.settings import Settings
 
