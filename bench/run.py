@@ -30,7 +30,7 @@ from bench.fixtures import CACHE, REPO
 from bench.report import evaluate_targets, format_table
 
 SCHEMA_VERSION = 1
-SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices")
+SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load")
 CACTUS_ROWS = 400  # rows of new.jsonl for the cactus comparison (Needle scores 10 % of them)
 
 
@@ -176,6 +176,16 @@ def bench_devices() -> dict[str, Any]:
     return {"status": "ok" if ok else "failed", "by_count": by_count}
 
 
+def bench_hf_load() -> dict[str, Any]:
+    """Load time and peak RSS of a generated ~500M-parameter bf16 Hugging Face checkpoint."""
+    from bench.hf_load import RESULTS
+
+    done = subprocess.run([sys.executable, "-m", "bench.hf_load"], cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        return {"status": "failed", "error": f"bench.hf_load exited {done.returncode}: {done.stderr[-800:]}"}
+    return {"status": "ok", **json.loads(RESULTS.read_text())}
+
+
 def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> dict[str, Any]:
     result: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": dt.datetime.now().isoformat(timespec="seconds"),
                               "quick": quick, "machine": machine_info()}
@@ -200,6 +210,8 @@ def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> 
             result["pipeline"] = bench_pipeline(result["train"])
         if "devices" in sections:
             result["devices"] = bench_devices()
+        if "hf_load" in sections:
+            result["hf_load"] = bench_hf_load()
     if skip_cactus:
         result["cactus"] = {"status": "skipped", "reason": "--skip-cactus"}
     result["machine"]["loadavg_end"] = _load()
