@@ -17,6 +17,7 @@ from typing import Any, Optional
 from flows.paths import state_dir, tracking_uri
 from needle import cli as needle_cli
 from needle.config import preset_names
+from needle.errors import UsageError
 
 
 def add_finetune(sub: Any) -> None:
@@ -26,16 +27,35 @@ def add_finetune(sub: Any) -> None:
     p.add_argument("--preset", choices=preset_names(), default=None, help="model preset of the auto base (default small)")
     p.add_argument("--base", default="auto",
                    help="'auto' (train one), a needle model dir, a Hugging Face model dir or hf:owner/name[@rev]")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--steps", type=needle_cli.positive_int, default=None)
     p.add_argument("--params", default=None, help="further FinetuneParams as a JSON object")
     p.set_defaults(func=_cmd_finetune, own_logging=True)  # Prefect routes needle's log lines
 
 
 def _cmd_finetune(args: Any) -> int:
-    overrides = json.loads(args.params) if args.params else {}
+    overrides = parse_params(args.params)
     params = {"data": args.data, "preset": args.preset, "base_model": args.base, "steps": args.steps, **overrides}
     run_embedded(**params)
     return 0
+
+
+def parse_params(text: Optional[str]) -> dict[str, Any]:
+    """``--params``: a JSON object, or a one-line ``UsageError`` (exit 2)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--params is not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--params must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _one_line(exc: Any) -> str:
+    """A pydantic ValidationError as one line: ``loc: message; …``."""
+    parts = [f"{'.'.join(str(x) for x in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors()]
+    return "; ".join(parts).replace("\n", " ")
 
 
 def embedded_env(state: Path, tracking_uri: str) -> dict[str, str]:
@@ -69,7 +89,12 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     from flows.finetune import needle
     from flows.params import FinetuneParams
 
-    p = FinetuneParams(**{k: v for k, v in params.items() if v is not None})
+    from pydantic import ValidationError
+
+    try:
+        p = FinetuneParams(**{k: v for k, v in params.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError(f"invalid parameters: {_one_line(exc)}") from None
     # Prefect may have read its settings before the environment above was set (an earlier
     # import): settings derived from PREFECT_HOME (the database, result storage) are rebuilt.
     with SettingsContext(profile=SettingsContext.get().profile, settings=Settings()):

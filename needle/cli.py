@@ -22,6 +22,45 @@ from pathlib import Path
 from typing import Any
 
 from needle.config import preset_names
+from needle.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``needle train: error: …``, exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """A directory that can be created or reused: refuse a file (or a file on its path) before any work."""
+    out = Path(path)
+    for part in (out, *out.absolute().parents):
+        if part.exists():
+            if not part.is_dir():
+                raise UsageError(f"{flag} {out}: {part} is a file, not a directory")
+            return out
+    return out
+
+
+def _check_base(mode: str, base: str | None) -> None:
+    if mode == "scratch" and base:
+        raise UsageError("--mode scratch trains from random init; do not pass --base")
+    if mode != "scratch" and not base:
+        raise UsageError(f"--mode {mode} needs --base (a model directory or hf:owner/name; train one with --mode scratch)")
+    if base and not base.startswith("hf:") and not Path(base).exists():
+        raise UsageError(f"--base {base}: no such model directory")
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -57,15 +96,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from needle.config import DataConfig, LoraConfig, training_configs
 
     scratch = args.mode == "scratch"
-    if scratch and args.base:
-        raise ValueError("mode 'scratch' trains from random init; do not pass a base model")
-    if not scratch and not args.base:
-        raise ValueError(f"mode {args.mode!r} needs a base model directory (train one with mode 'scratch')")
+    _check_base(args.mode, args.base)  # argument mistakes fail before any file is read or written
+    out = check_out_dir(args.out)
     source = pipeline.load_data(args.data, args.on_error)  # bad rows fail before any model loads
     base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset, max_len=args.max_len)
     model_cfg = pipeline.model_config(args.preset) if base is None else base.model_cfg
     data_cfg = DataConfig(source=args.data, max_len=model_cfg.max_len, on_error=args.on_error)
-    out = Path(args.out)
     prepared = pipeline.prepare_data(data_cfg, source, tokenizer=base.tokenizer if base else None,
                                      vocab_size=model_cfg.vocab_size, cache_dir=out / "data")
     train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
@@ -103,14 +139,28 @@ def _cmd_sample_model(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from needle.eval.predict import run_evaluate_cli
 
+    if args.out is not None:
+        check_out_dir(args.out)  # before the evaluation runs, not after
     return run_evaluate_cli(args.checkpoint, args.data, args.out, args.max_rows)
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
     from needle.eval.predict import run_predict_cli
 
-    queries = [args.query] if args.query else [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    queries = [args.query] if args.query is not None else _stdin_queries()
     return run_predict_cli(args.checkpoint, args.tools, queries)
+
+
+def _stdin_queries() -> list[str]:
+    if not hasattr(sys.stdin, "buffer"):  # a replaced (text) stdin, as in tests
+        return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UsageError(f"stdin line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x})") from None
+    return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
 
 
 Extension = Callable[[Any], None]  # adds subcommands to the parser's subparsers action
@@ -118,7 +168,7 @@ Extension = Callable[[Any], None]  # adds subcommands to the parser's subparsers
 
 def build_parser(extensions: Sequence[Extension] = ()) -> argparse.ArgumentParser:
     """The argument parser of every subcommand, plus those the ``extensions`` add."""
-    parser = argparse.ArgumentParser(prog="needle", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="needle", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_data_commands(sub)
     _add_model_commands(sub)
@@ -134,7 +184,7 @@ def _add_data_commands(sub: Any) -> None:
 
     p = sub.add_parser("validate", help="check every row of tool-calling JSONL files")
     p.add_argument("paths", nargs="+", help="JSONL files or globs")
-    p.add_argument("--limit", type=int, default=20, help="bad rows to list before the total")
+    p.add_argument("--limit", type=positive_int, default=20, help="bad rows to list before the total")
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("sample", help="write the synthetic sample dataset (base and new tools)")
@@ -146,7 +196,7 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("out_dir")
     p.add_argument("--arch", choices=["qwen3", "qwen2", "llama", "gemma3_text"], default="qwen3")
     p.add_argument("--data", default=None, help="JSONL rows to train its tokenizer on")
-    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sample_model)
 
@@ -160,9 +210,9 @@ def _add_model_commands(sub: Any) -> None:
                    help="model preset (scratch: default small; lora/full: must match the base's)")
     p.add_argument("--base", default=None,
                    help="base model (lora/full): a needle model dir, a Hugging Face model dir or hf:owner/name[@rev]")
-    p.add_argument("--max-len", type=int, default=None, help="an imported model's context (default 2048, capped by the model)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the mode's)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the mode's)")
+    p.add_argument("--max-len", type=positive_int, default=None, help="an imported model's context (default 2048, capped by the model)")
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the mode's)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=["fail", "drop"], default="fail", help="bad rows: fail, or drop and report")
     p.set_defaults(func=_cmd_train)
@@ -171,7 +221,7 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("checkpoint", help="exported model directory or models:/needle/<version>")
     p.add_argument("data", help="JSONL path or glob")
     p.add_argument("--out", default=None, help="report directory (default: <checkpoint>/../eval)")
-    p.add_argument("--max-rows", type=int, default=None)
+    p.add_argument("--max-rows", type=positive_int, default=None)
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("predict", help="print the tool calls for a query (or stdin, one per line)")

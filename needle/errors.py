@@ -36,6 +36,10 @@ class CheckpointMismatchError(NeedleError):
     """A checkpoint was written by another config or another dataset."""
 
 
+class CheckpointDamagedError(NeedleError):
+    """A checkpoint cannot be used (unreadable, fails its checksum, or holds NaN/inf); names why."""
+
+
 class NonFiniteLossError(NeedleError):
     """Training produced a NaN or infinite loss; the last good checkpoint is kept."""
 
@@ -46,3 +50,7 @@ class ModelImportError(NeedleError):
 
 class ModelNotFoundError(NeedleError, FileNotFoundError):
     """A model path that holds no model (needle's or Hugging Face's): a user mistake, exit 2."""
+
+
+class UsageError(NeedleError):
+    """A command-line argument that cannot work (a missing base, --out naming a file): exit 2, one line."""

@@ -5,6 +5,9 @@ not an object, a missing or ill-typed field, an undeclared tool, a missing or il
 argument, an empty file). ``on_error="fail"`` raises ``DataError`` listing them;
 ``"drop"`` keeps the good rows and returns the issues so the caller can report them.
 Blank lines are skipped (JSONL convention), but a file without a single row is an error.
+Reading is bounded (``needle.data.schema.loads_bounded``): a line over ``MAX_ROW_BYTES``, nested
+too deep, with a non-finite number or a lone surrogate is a ``file:line`` issue, and nothing
+is fetched over the network while checking tool schemas.
 
     rows, issues = read_rows("data/sample/base.jsonl")
     print(format_validation(validate_source("data/*.jsonl")))
@@ -21,7 +24,7 @@ from typing import Any, Literal
 
 import datasets
 
-from needle.data.schema import Row, parse_row, row_to_dict
+from needle.data.schema import MAX_ROW_BYTES, Row, loads_bounded, parse_row, row_to_dict
 from needle.errors import DataError, DataIssue
 
 OnError = Literal["fail", "drop"]
@@ -77,6 +80,8 @@ def resolve_files(source: str) -> list[str] | None:
 
 
 def _decode_line(raw: bytes, lineno: int) -> str:
+    if len(raw) > MAX_ROW_BYTES:
+        raise ValueError(f"line is {len(raw):,} bytes, over the limit of {MAX_ROW_BYTES:,} (MAX_ROW_BYTES)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -84,13 +89,9 @@ def _decode_line(raw: bytes, lineno: int) -> str:
     return text.lstrip("\ufeff") if lineno == 1 else text
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"not valid JSON: {name} is not allowed")
-
-
 def _parse_line(text: str, source: str) -> Row:
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
+        obj = loads_bounded(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON: {exc.msg} (column {exc.colno})") from None
     return parse_row(obj, source)
@@ -142,7 +143,10 @@ def _read_hub(source: str, hasher: Any) -> tuple[list[Row], list[DataIssue]]:
     issues: list[DataIssue] = []
     for i, rec in enumerate(ds):
         obj = {k: (v if isinstance(v, str) else _strip_nulls(v)) for k, v in rec.items()}
+        size = sum(len(v) for v in obj.values() if isinstance(v, str))
         try:
+            if size > MAX_ROW_BYTES:
+                raise ValueError(f"row has {size:,} characters of text, over the limit of {MAX_ROW_BYTES:,}")
             rows.append(parse_row(obj, f"{source}:{i + 1}"))
         except ValueError as exc:
             issues.append(DataIssue(source, i + 1, str(exc)))

@@ -23,7 +23,7 @@ from typing import Any
 from needle.config import EvalConfig
 from needle.data.chat import format_for
 from needle.data.render import compact_json
-from needle.data.schema import Row, parse_row
+from needle.data.schema import Row, loads_bounded, parse_row
 from needle.errors import NeedleError
 from needle.registry import is_registry_uri, resolve_model_dir
 from needle.eval.decode import generate_detailed, prompt_budget
@@ -97,11 +97,19 @@ def read_tools(tools_path: str | Path) -> list[dict[str, Any]]:
     """The tool list in a JSON file (a list, or an object with a ``tools`` list)."""
     path = Path(tools_path)
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = loads_bounded(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no such tools file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, not a tools file") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the tools file ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     if isinstance(value, dict) and "tools" in value:
         value = value["tools"]
     if not isinstance(value, list):

@@ -114,3 +114,70 @@ def test_validate_source_and_format(write_jsonl) -> None:
 def test_validate_source_reports_a_missing_file(tmp_path) -> None:
     report = validate_source(str(tmp_path / "missing.jsonl"))
     assert not report.ok and "no such file" in format_validation(report)
+
+
+def _tool_row(params: dict, args: dict) -> dict:
+    return good_row(tools=[{"name": "f", "parameters": params}], answers=[{"name": "f", "arguments": args}])
+
+
+HOSTILE_LINES = {
+    "remote $ref": (json.dumps(_tool_row({"type": "object", "properties": {"x": {"$ref": "http://127.0.0.1:9/x.json"}}},
+                                         {"x": 1})), "points outside the schema"),
+    "backtracking pattern": (json.dumps(_tool_row({"type": "object", "properties": {"x": {"pattern": "^(a|a)+$"}}},
+                                                  {"x": "a" * 40 + "!"})), "takes too long to check"),
+    "backtracking patternProperties": (json.dumps(_tool_row({"type": "object", "patternProperties": {"^(a|aa)+$": {}}},
+                                                            {"a" * 40 + "!": 1})), "takes too long to check"),
+    "deep nesting": ("[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels"),
+    "deep nesting in a JSON string": (json.dumps(good_row(tools="[" * 5000 + "]" * 5000)), "nested deeper than"),
+    "lone surrogate": ('{"query": "\\ud800", "tools": [], "answers": []}', "lone surrogate \\ud800"),
+    "1e400": ('{"query": "x", "tools": [], "answers": [], "n": 1e400}', "1e400 is out of range"),
+    "NaN": ('{"query": "x", "tools": [], "answers": [], "n": NaN}', "NaN is not allowed"),
+    "Infinity": ('{"query": "x", "tools": [], "answers": [], "n": -Infinity}', "-Infinity is not allowed"),
+    "5 MB row": ('{"query": "' + "a" * 5_000_000 + '", "tools": [], "answers": []}', "over the limit of 1,000,000"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_LINES))
+def test_hostile_rows_are_file_line_errors_in_seconds_without_network(write_jsonl, monkeypatch, kind: str) -> None:
+    import socket
+    import time
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("validation opened a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    bad, reason = HOSTILE_LINES[kind]
+    path = write_jsonl([good_row(), bad, good_row()])
+    start = time.monotonic()
+    report = validate_source(str(path))
+    assert time.monotonic() - start < 5
+    (issue,) = report.issues
+    assert (issue.file, issue.line, report.n_rows) == (str(path), 2, 2)
+    assert reason in issue.reason and len(issue.reason) < 300
+
+
+def test_a_timed_out_pattern_is_refused_at_once_on_later_rows(write_jsonl) -> None:
+    import time
+
+    pattern = "^(b|b)+$"
+    slow = _tool_row({"type": "object", "properties": {"x": {"pattern": pattern}}}, {"x": "b" * 40 + "!"})
+    path = write_jsonl([slow] * 200)
+    start = time.monotonic()
+    report = validate_source(str(path))
+    assert time.monotonic() - start < 5 and len(report.issues) == 200
+    assert "refused" in report.issues[-1].reason
+
+
+def test_bounded_checks_keep_valid_rows_as_they_were(write_jsonl) -> None:
+    params = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                               "x": {"$ref": "#/$defs/n"}},
+              "patternProperties": {"^opt_": {"type": "integer"}}, "$defs": {"n": {"type": "number"}}}  # fmt: skip
+    good = dict(_tool_row(params, {"code": "ABC", "x": 1e300, "opt_a": 2}), query="caf\u00e9 \U0001f600 [[1]]")
+    (row,), _ = read_rows(str(write_jsonl([good], name="good.jsonl")))
+    assert row.answers[0]["arguments"] == {"code": "ABC", "x": 1e300, "opt_a": 2}
+    assert row.query == "caf\u00e9 \U0001f600 [[1]]"
+    for args, reason in [({"code": "abc"}, "does not match"), ({"opt_b": "s"}, "not of type 'integer'"),
+                         ({"x": "s"}, "not of type 'number'")]:
+        report = validate_source(str(write_jsonl([_tool_row(params, args)], name="bad.jsonl")))
+        assert reason in report.issues[0].reason

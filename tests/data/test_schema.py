@@ -91,3 +91,18 @@ def test_row_to_dict_round_trips() -> None:
 def test_split_source() -> None:
     assert split_source("dir/a:b.jsonl:12") == ("dir/a:b.jsonl", 12)
     assert split_source("no-line") == ("no-line", 0)
+
+
+def test_nested_additional_properties_match_patterns_in_bounded_time() -> None:
+    import time
+
+    inner = {"type": "object", "patternProperties": {"^(c|cc)+$": {}}, "additionalProperties": False}
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"o": inner}}}]
+    ok = parse_row(good_row(tools=tools, answers=[{"name": "f", "arguments": {"o": {"cc": 1}}}]), "s:1")
+    assert ok.answers[0]["arguments"] == {"o": {"cc": 1}}
+    with pytest.raises(ValueError, match="does not match any of the regexes"):
+        parse_row(good_row(tools=tools, answers=[{"name": "f", "arguments": {"o": {"d": 1}}}]), "s:1")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="takes too long to check"):
+        parse_row(good_row(tools=tools, answers=[{"name": "f", "arguments": {"o": {"c" * 40 + "!": 1}}}]), "s:1")
+    assert time.monotonic() - start < 3
