@@ -7,6 +7,13 @@ function of it). Frozen params (a LoRA base) are not saved: they come from the b
 Orbax writes each step to a temporary directory and renames it, so a crash (even SIGKILL)
 leaves either a whole checkpoint or none. No pickle: arrays via orbax, meta as JSON.
 
+Each checkpoint also holds ``needle_checksums.json``: the sha256 of every file it wrote, recorded
+in orbax's temporary directory after the write finishes and before the rename, so it appears
+with the checkpoint or not at all. ``restore_latest`` verifies it, restores, and checks that
+every value is finite; a damaged newest checkpoint is reported in one log line, moved to
+``<directory>.damaged/`` and the next older one is tried. When every checkpoint is damaged it
+raises ``CheckpointDamagedError`` saying why each one failed.
+
     ckpt = Checkpointer(out_dir / "checkpoints", keep=2)
     ckpt.save(state, meta)                       # meta: build_meta(...)
     restored = ckpt.restore_latest(template_state, meta)   # None if there is none
@@ -15,7 +22,12 @@ leaves either a whole checkpoint or none. No pickle: arrays via orbax, meta as J
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +36,19 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from needle.config import flatten_config
-from needle.errors import CheckpointMismatchError
-from needle.train.step import TrainState
+from needle.errors import CheckpointDamagedError, CheckpointMismatchError
+from needle.train.step import TrainState, tree_all_finite
 
 log = logging.getLogger(__name__)
 
 # Meta keys that describe where a checkpoint is, not what produced it: never compared.
 RUNTIME_KEYS = frozenset({"step", "shuffle_position", "tokenizer_path"})
+
+CHECKSUM_FILE = "needle_checksums.json"
+# Not content: orbax's commit markers and step metadata hold timestamps and may be rewritten
+# when the checkpoint is finalised, after the checksums are recorded.
+_UNHASHED = frozenset({CHECKSUM_FILE, CHECKSUM_FILE + ".partial", "_CHECKPOINT_METADATA", "commit_success.txt"})
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
 
 
 def build_meta(
@@ -62,6 +80,56 @@ def diff_meta(expected: dict[str, Any], found: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if norm(a.get(k)) != norm(b.get(k)))
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(step_dir: Path) -> None:
+    """Record the sha256 of every content file under ``step_dir`` in ``CHECKSUM_FILE`` (atomically)."""
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name not in _UNHASHED)
+    record = {"algorithm": "sha256", "files": {p.relative_to(step_dir).as_posix(): _sha256(p) for p in files}}
+    partial = step_dir / (CHECKSUM_FILE + ".partial")
+    partial.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(partial, step_dir / CHECKSUM_FILE)
+
+
+def verify_checksums(step_dir: Path) -> bool:
+    """True when every recorded file matches; False when there is no record (an older checkpoint).
+
+    Raises ``CheckpointDamagedError`` naming the first missing or changed file.
+    """
+    if not step_dir.is_dir():
+        raise CheckpointDamagedError(f"{step_dir} is not a folder")
+    path = step_dir / CHECKSUM_FILE
+    if not path.exists():
+        return False
+    try:
+        files = json.loads(path.read_text())["files"]
+        items = sorted(files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointDamagedError(f"{CHECKSUM_FILE} is unreadable ({err})") from None
+    if not items:
+        raise CheckpointDamagedError(f"{CHECKSUM_FILE} lists no files")
+    for rel, expected in items:
+        file = step_dir / rel
+        if not file.is_file():
+            raise CheckpointDamagedError(f"{rel} is missing")
+        if _sha256(file) != expected:
+            raise CheckpointDamagedError(f"{rel} does not match its recorded sha256")
+    return True
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one short line (orbax/tensorstore messages run over many)."""
+    text = " ".join(str(err).split())
+    text = text if isinstance(err, CheckpointDamagedError) else f"{type(err).__name__}: {text}"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
 def _saved_tree(state: TrainState) -> dict[str, Any]:
     return {"step": state.step, "trainable": state.trainable, "opt_state": state.opt_state, "rng": state.rng}
 
@@ -71,9 +139,21 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int = 2) -> None:
         self.directory = Path(directory).absolute()
+        self._in_flight: int | None = None  # the step being written (orbax writes one at a time)
         # A SIGKILL mid-write leaves a temporary directory behind: clear it on the next start.
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal),
+        )  # fmt: skip
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def _seal(self) -> None:
+        """Orbax's post-finalisation callback: checksum the written files before the final rename."""
+        step = self._in_flight
+        if step is None:
+            return
+        tmp = sorted(self.directory.glob(f"{step}{_ORBAX_TMP}*"))
+        write_checksums(tmp[-1] if tmp else self.directory / str(step))
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -86,7 +166,8 @@ class Checkpointer:
     def save(self, state: TrainState, meta: dict[str, Any], *, step: int | None = None) -> bool:
         """Save ``state`` at its step (asynchronously; ``wait``/``close`` to be sure it is on disk).
 
-        Returns False when a checkpoint of that step already exists (nothing is written).
+        Returns False when a checkpoint of that step already exists (nothing is written). The
+        caller makes sure ``state`` is finite (the loop checks every step's ``finite`` flag).
         """
         step = int(jax.device_get(state.step)) if step is None else step
         if step in self._mngr.all_steps():
@@ -97,6 +178,8 @@ class Checkpointer:
         # Hand orbax a private copy so the live state stays donatable and the file is this step.
         tree = jax.tree.map(jnp.copy, _saved_tree(state))
         args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(record))
+        self._mngr.wait_until_finished()  # orbax waits too; the previous step's seal must be done
+        self._in_flight = step
         saved = self._mngr.save(step, args=args, force=True)
         log.debug("checkpoint step %d -> %s", step, self.directory)
         return bool(saved)
@@ -108,15 +191,40 @@ class Checkpointer:
     def restore_latest(
         self, template: TrainState, expected_meta: dict[str, Any]
     ) -> tuple[TrainState, dict[str, Any]] | None:
-        """Restore the newest checkpoint into ``template``'s structure and shardings.
+        """Restore the newest usable checkpoint into ``template``'s structure and shardings.
 
-        Returns ``(state, meta)``, or None when there is no checkpoint. Raises
-        ``CheckpointMismatchError`` naming the differing keys if the checkpoint was written
-        for another config, dataset or tokenizer.
+        Returns ``(state, meta)``, or None when there is no checkpoint. A damaged checkpoint
+        (unreadable, failing its checksum, holding NaN/inf) is skipped for the next older one,
+        and moved aside once one restores; ``CheckpointDamagedError`` when none is usable.
+        Raises ``CheckpointMismatchError`` naming the differing keys if a readable checkpoint
+        was written for another config, dataset or tokenizer.
         """
-        step = self.latest_step()
-        if step is None:
-            return None
+        self._mngr.wait_until_finished()  # a save of this manager may still be in flight
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, meta = self._restore_step(step, template, expected_meta)
+            except CheckpointMismatchError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure to read a checkpoint is damage
+                damaged.append((step, _one_line(err)))
+                continue
+            self._set_aside(damaged, step)
+            log.info("resumed from checkpoint step %d in %s", step, self.directory)
+            return state, meta
+        if damaged:
+            reasons = "; ".join(f"step {s}: {why}" for s, why in damaged)
+            raise CheckpointDamagedError(
+                f"no usable checkpoint in {self.directory} ({reasons}); "
+                "delete that folder (or use a fresh out_dir) to start over"
+            )
+        return None
+
+    def _restore_step(
+        self, step: int, template: TrainState, expected_meta: dict[str, Any]
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """Verify, read and restore one step; raises on any damage or on a mismatching record."""
+        verified = verify_checksums(self.directory / str(step))
         meta = self.read_meta(step)
         differing = diff_meta(expected_meta, meta)
         if differing:
@@ -133,11 +241,33 @@ class Checkpointer:
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory}/{step} holds a different parameter or optimizer tree"
             )
+        if not bool(tree_all_finite(saved)):
+            raise CheckpointDamagedError("it holds NaN or infinite values")
+        if not verified:
+            log.warning("checkpoint step %d in %s has no %s (an older needle wrote it): restored unverified",
+                        step, self.directory, CHECKSUM_FILE)  # fmt: skip
         state = template.replace(
             step=saved["step"], trainable=saved["trainable"], opt_state=saved["opt_state"], rng=saved["rng"]
         )
-        log.info("resumed from checkpoint step %d in %s", step, self.directory)
         return state, meta
+
+    def _set_aside(self, damaged: list[tuple[int, str]], good: int) -> None:
+        """Move damaged checkpoints newer than ``good`` to ``<directory>.damaged/`` (one line each).
+
+        Out of the way, the resumed run writes those steps again.
+        """
+        if not damaged:
+            return
+        aside = self.directory.with_name(self.directory.name + ".damaged")
+        for step, why in damaged:
+            target = aside / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+            source = self.directory / str(step)
+            if source.exists():
+                aside.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(source), str(target))
+            log.warning("checkpoint step %d in %s is damaged (%s): moved to %s, falling back to step %d",
+                        step, self.directory, why, target, good)  # fmt: skip
+        self._mngr.reload()
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""

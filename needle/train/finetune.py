@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, flatten_config
 from needle.data.batching import BatchPlan
 from needle.data.prepare import PreparedData
+from needle.errors import NonFiniteLossError
 from needle.hardware import BackendSettings, enable_compilation_cache, settings_for
 from needle.model import lora as lora_lib
 from needle.model.io import LoadedModel, load_model, save_model
@@ -194,6 +195,11 @@ def train_with_checkpoints(
         ]
         plan, val_plan = plans
         return train(state, plan, train_cfg, mesh=mesh, hooks=hooks, val_plan=val_plan, start_step=start_step)
+    except NonFiniteLossError as err:
+        ckpt.wait()
+        kept = ckpt.latest_step()
+        where = "none was written" if kept is None else f"step {kept} in {ckpt.directory}"
+        raise NonFiniteLossError(f"{err}; last good checkpoint: {where}") from None
     finally:
         ckpt.close()
 

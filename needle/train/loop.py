@@ -2,7 +2,8 @@
 
 ``train`` dispatches ``train_step`` asynchronously and keeps its metrics as device arrays;
 every ``log_every`` steps (and whenever a hook is due, and at the end) it fetches them in one
-transfer, stops with ``NonFiniteLossError`` on a NaN/inf loss (before any hook, so no
+transfer, stops with ``NonFiniteLossError`` at the first step whose loss or updated state is
+NaN/inf (the step's ``finite`` flag, computed on device; checked before any hook, so no
 checkpoint of a bad state is written), adds the validation loss when it is due, then runs the
 hooks in order. Hooks are Levanter-style callables ``fn(info: StepInfo) -> None`` outside jit:
 ``info`` holds the step, the state and a read-only view of that step's metrics record.
@@ -158,15 +159,21 @@ class _Progress:
 
 
 def _fetch(pending: list[tuple[int, dict[str, jax.Array]]]) -> list[tuple[int, dict[str, float]]]:
-    """One device transfer for all pending metrics; raise on the first non-finite loss."""
+    """One device transfer for all pending metrics; raise on the first step with a non-finite state.
+
+    Every step since the last fetch is checked (its ``finite`` flag covers the loss, the gradient
+    norm and the updated params and optimizer state), so a hook never sees a state after a bad step.
+    """
     fetched = jax.device_get(pending)
     out = []
     for step, metrics in fetched:
         values = {k: float(v) for k, v in metrics.items()}
-        if not math.isfinite(values["loss"]):
+        if not (values.pop("finite", 1.0) and math.isfinite(values["loss"])):
             raise NonFiniteLossError(
-                f"loss became {values['loss']} at step {step}; stopped before saving that state, "
-                "the last good checkpoint is kept (lower optim.lr or check the data)"
+                f"training diverged at step {step}: loss {values['loss']}, grad_norm {values['grad_norm']}, "
+                "and the updated state holds NaN or infinite values; stopped before saving that state, so "
+                "the last good checkpoint is kept (lower optim.lr, in a fresh out_dir since a changed config "
+                "does not resume, or check the data)"
             )
         out.append((step, values))
     return out

@@ -10,6 +10,7 @@ Only ``state.trainable`` receives gradients; ``state.frozen`` (a LoRA base) is c
     state, metrics = jax.jit(train_step, donate_argnums=0)(state, batch)
 
 ``apply_fn(trainable, frozen, inputs) -> float32 logits [B, T, V]``;
+``metrics`` = loss, grad_norm, lr, tokens and ``finite`` (the new state holds no NaN/inf);
 ``batch = {"inputs": int32[B, T], "targets": int32[B, T], "mask": float32[B, T]}``.
 """
 
@@ -186,16 +187,29 @@ def loss_and_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Arra
     return loss_sum / denom, tokens, jax.tree.map(lambda g: g / denom, grads)
 
 
+def tree_all_finite(tree: PyTree) -> jax.Array:
+    """A bool scalar: no floating leaf of ``tree`` holds a NaN or an infinity (integer leaves pass)."""
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
 def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step on a batch; returns the new state and device-side metrics."""
+    """One optimizer step on a batch; returns the new state and device-side metrics.
+
+    ``metrics["finite"]`` (bool) is False when the loss, the gradient norm or any leaf of the
+    updated trainable params or optimizer state is NaN/inf: computed in this same program, so
+    the loop can refuse to checkpoint such a state without a per-step host sync.
+    """
     loss, tokens, grads = loss_and_grads(state, batch)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.trainable)
     trainable = optax.apply_updates(state.trainable, updates)
+    grad_norm = optax.tree.norm(grads)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "lr": jnp.asarray(state.tx.schedule(state.step), jnp.float32),
         "tokens": tokens,
+        "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm) & tree_all_finite((trainable, opt_state)),
     }
     new_state = state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state)
     return new_state, metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -11,11 +12,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from test_checkpoint import _data_files, _flip_bytes
 from train_helpers import LORA, finetune_configs, tiny_prepared, tiny_tokenizer
 
 from needle.config import OptimConfig
-from needle.errors import CheckpointMismatchError
+from needle.errors import CheckpointMismatchError, NonFiniteLossError
 from needle.model.io import load_model
 from needle.tracking import MemoryTracker as RecordingTracker
 from needle.train.finetune import run_training
@@ -102,3 +105,51 @@ def test_resume_after_sigkill_between_saves_matches_the_uninterrupted_run(tmp_pa
     logged = [int(line.split()[1]) for line in resumed.stdout.splitlines() if line.startswith("step ")]
     assert logged and logged[0] == max(saved) + 1 and logged[-1] == steps
     assert_same_params(flat_params(Path(reference.model_dir)), flat_params(out / "model"))
+
+
+def saved_steps(ckpt_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+
+
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")
+@pytest.mark.parametrize("every", [3, 4])
+def test_a_diverging_run_never_saves_a_nan_checkpoint(tmp_path: Path, every: int) -> None:
+    # The case: the tiny preset at optim.lr 1e4 diverges. Here step 6 still has a finite
+    # loss while its update makes every param NaN: with checkpoint_every 3 the loss-only check
+    # used to save that state. The step is named and nothing from it on is saved.
+    prepared, tok = tiny_prepared(), tiny_tokenizer()
+    model_cfg, train, _ = finetune_configs("scratch", steps=16)
+    train = train.model_copy(update={"checkpoint_every": every, "log_every": 100, "keep_checkpoints": 10})
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLossError, match=r"diverged at step \d+") as err:
+        run_training(prepared, tok, model_cfg, train, OptimConfig(lr=1e4, warmup_steps=0), out_dir=out)
+    message = str(err.value)
+    assert "last good checkpoint:" in message and "\n" not in message
+    bad_step = int(message.split("diverged at step ")[1].split(":")[0])
+    steps = saved_steps(out / "checkpoints")
+    assert all(step < bad_step for step in steps)
+    assert (f"step {steps[-1]} in" in message) if steps else ("none was written" in message)
+    for step in steps:  # read back with orbax alone: every saved leaf is finite
+        tree = ocp.PyTreeCheckpointer().restore(out / "checkpoints" / str(step) / "state")
+        floats = [np.asarray(x) for x in jax.tree.leaves(tree) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+        assert floats and all(np.isfinite(x).all() for x in floats), step
+    assert not (out / "model").exists()
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_exactly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    prepared, tok = tiny_prepared(), tiny_tokenizer()
+    model_cfg, train, optim = finetune_configs("scratch", steps=6)
+    out = tmp_path / "run"
+    first = run_training(prepared, tok, model_cfg, train, optim, out_dir=out)
+    reference = flat_params(Path(first.model_dir))
+    assert saved_steps(out / "checkpoints") == [4, 6]
+    _flip_bytes(_data_files(out / "checkpoints" / "6")[0])
+    with caplog.at_level(logging.WARNING, logger="needle"):
+        again = run_training(prepared, tok, model_cfg, train, optim, out_dir=out)
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("needle") and r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "step 6" in warnings[0] and "falling back to step 4" in warnings[0]
+    assert [r["step"] for r in again.history] == [5, 6]
+    assert saved_steps(out / "checkpoints") == [4, 6]  # step 6 written again, the damaged one set aside
+    assert_same_params(reference, flat_params(Path(again.model_dir)), atol=0)

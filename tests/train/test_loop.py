@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from train_helpers import make_plan, make_state, train_cfg
 
+from needle.config import OptimConfig
 from needle.data.batching import BatchPlan
 from needle.errors import NonFiniteLossError
 from needle.train.checkpoint import Checkpointer
@@ -76,6 +77,23 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path
     assert ckpt.all_steps() == [3]
     state, _ = ckpt.restore_latest(make_state(steps=6), META)
     assert all(np.isfinite(p).all() for p in params_of(state))
+    ckpt.close()
+
+
+def test_a_nan_state_behind_a_finite_loss_is_never_saved(tmp_path: Path) -> None:
+    # lr 1e4: step 6 reports a finite loss while its update turns every param NaN. Metrics are
+    # fetched only when a checkpoint is due (3, 6): the flag of every step is checked there.
+    ckpt = Checkpointer(tmp_path, keep=5)
+    cfg = train_cfg(steps=12, log_every=100, checkpoint_every=3)
+    state = make_state(steps=12, optim=OptimConfig(lr=1e4, warmup_steps=0))
+    with pytest.raises(NonFiniteLossError, match="at step 6: loss 4.15") as err:
+        train(state, make_plan(), cfg, hooks=[checkpoint_hook(ckpt, META, 3)], progress=False)
+    ckpt.close()
+    assert "grad_norm nan" in str(err.value) and "the last good checkpoint is kept" in str(err.value)
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps() == [3]
+    restored, _ = ckpt.restore_latest(make_state(steps=12), META)
+    assert all(np.isfinite(p).all() for p in params_of(restored))
     ckpt.close()
 
 

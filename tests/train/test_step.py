@@ -48,7 +48,8 @@ def test_metrics_are_finite_and_count_loss_tokens() -> None:
     batch = make_plan().batch(1)
     _, metrics = step_fn(state, batch)
     values = {k: float(v) for k, v in metrics.items()}
-    assert set(values) == {"loss", "grad_norm", "lr", "tokens"}
+    assert set(values) == {"loss", "grad_norm", "lr", "tokens", "finite"}
+    assert values["finite"] == 1.0
     assert all(np.isfinite(v) for v in values.values())
     assert values["tokens"] == float(batch["mask"].sum())
     assert values["lr"] == pytest.approx(1e-2)  # no warmup: the peak at step 0
@@ -73,6 +74,18 @@ def test_grad_accumulation_equals_one_big_batch() -> None:
     np.testing.assert_allclose(float(loss3), float(loss1), rtol=1e-5)
     for a, b in zip(leaves(grads1), leaves(grads3)):
         np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_finite_flag_is_false_once_the_update_makes_the_state_nan() -> None:
+    # lr 1e4 on the tiny model: step 6 still reports a finite loss, but its update is NaN.
+    state = make_state("scratch", steps=16, optim=OptimConfig(lr=1e4, warmup_steps=0))
+    plan, flags = make_plan(), []
+    for i in range(6):
+        state, metrics = step_fn(state, plan.batch(i))
+        flags.append(bool(metrics["finite"]))
+    assert np.isfinite(float(metrics["loss"])) and not np.isfinite(float(metrics["grad_norm"]))
+    assert flags == [True] * 5 + [False]
+    assert not all(np.isfinite(x).all() for x in leaves(state.trainable))
 
 
 def test_batch_without_loss_tokens_gives_zero_loss_not_nan() -> None:
