@@ -33,12 +33,11 @@ export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export DO_NOT_TRACK=1
 export MLFLOW_TRACKING_URI="http://127.0.0.1:$MLFLOW_PORT"
-export NEEDLE_CHECKOUT="$ROOT"  # prefect.yaml's pull step: flow runs start in this checkout
 export JAX_PLATFORMS="${JAX_PLATFORMS-}"
 export PATH="$BIN:$PATH"
 cat >"$STACK/env.sh" <<ENV
 export PREFECT_HOME="$PREFECT_HOME" PREFECT_API_URL="$PREFECT_API_URL" MLFLOW_TRACKING_URI="$MLFLOW_TRACKING_URI"
-export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 NEEDLE_CHECKOUT="$ROOT" PATH="$BIN:\$PATH"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 PATH="$BIN:\$PATH"
 ENV
 
 # start NAME CMD...: run CMD in a new session (its own process group) in the background.
@@ -80,7 +79,7 @@ start mlflow-server mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" --worke
 wait_for prefect-server http_ok "$PREFECT_API_URL/health"
 wait_for mlflow-server http_ok "$MLFLOW_TRACKING_URI/health"
 
-cd "$ROOT"
+cd "$ROOT"  # prefect deploy records this directory as where flow runs start (prefect.yaml)
 prefect work-pool create needle-pool --type process --overwrite >"$STACK/logs/work-pool.log" 2>&1
 prefect --no-prompt deploy --all >"$STACK/logs/deploy.log" 2>&1 || { cat "$STACK/logs/deploy.log" >&2; exit 1; }
 echo "deployed: $(grep -o "needle/[a-z_-]*" "$STACK/logs/deploy.log" | sort -u | tr '\n' ' ')"

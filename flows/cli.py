@@ -18,6 +18,7 @@ from flows.paths import state_dir, tracking_uri
 from needle import cli as needle_cli
 from needle.config import preset_names
 from needle.errors import UsageError
+from needle.tracking import redact_uri
 
 
 def add_finetune(sub: Any) -> None:
@@ -104,7 +105,7 @@ def run_embedded(**params: Any) -> dict[str, Any]:
 
 
 def _print_result(result: dict[str, Any], ui_link: Any) -> None:
-    uri = result["tracking_uri"]
+    uri = redact_uri(result["tracking_uri"])
     print(f"\nMLflow run {result['run_id']} (tracking URI {uri})")
     version = (result.get("model_version") or {}).get("version")
     print(f"Tuned model: {result['model_dir']}" + (f"  (registered: models:/needle/{version})" if version else ""))

@@ -21,7 +21,7 @@ from flows import run_record as rec
 from flows.params import FinetuneParams
 from flows.paths import resolve_source, state_dir, tracking_uri
 from needle.pipeline import config_digest
-from needle.tracking import MlflowTracker
+from needle.tracking import MlflowTracker, redact_logs
 from tasks.stages import base, evaluate, export, finetune, prepare, probe, register, validate
 
 
@@ -31,6 +31,7 @@ def needle(params: FinetuneParams = FinetuneParams()) -> dict[str, Any]:
     # Prefect forwards the `needle` logger (PREFECT_LOGGING_EXTRA_LOGGERS) but leaves its level
     # at WARNING: training progress is logged at INFO.
     logging.getLogger("needle").setLevel(logging.INFO)
+    redact_logs()  # a tracking URI's password never reaches the console or Prefect's log store
     state = state_dir()
     run = rec.start_run(tracking_uri(state))
     tracker = MlflowTracker(run.run_id, run.uri, terminate_on_finish=False)  # the flow ends the run

@@ -23,7 +23,7 @@ from flows.params import FinetuneParams
 from flows.paths import CHECKOUT
 from needle import pipeline
 from needle.data.prepare import TOKENIZER_SUBDIR
-from needle.tracking import Tracker
+from needle.tracking import Tracker, redact_uri
 
 LOCAL_EXPERIMENT = "needle-local"
 DEFAULT_UI = "http://127.0.0.1:5000"
@@ -42,10 +42,11 @@ class MlflowRun:
 
     @property
     def info(self) -> dict[str, Any]:
-        """The summary fields every outcome shares."""
-        hint = None if self.uri.startswith("http") else f"mlflow ui --backend-store-uri {self.uri}"
+        """The summary fields every outcome shares (the URI's credentials redacted: it is stored)."""
+        uri = redact_uri(self.uri)
+        hint = None if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri}"
         return {"run_id": self.run_id, "experiment": self.experiment,
-                "ui_link": ui_link(self.uri, self.experiment_id, self.run_id), "ui_hint": hint}
+                "ui_link": ui_link(uri, self.experiment_id, self.run_id), "ui_hint": hint}
 
 
 def artifact_location(uri: str) -> Optional[str]:
@@ -81,8 +82,9 @@ def git_commit() -> str:
 
 
 def ui_link(uri: str, experiment_id: str, run_id: str) -> str:
-    """A browser link to the run (for a SQLite store: where `mlflow ui` serves it by default)."""
-    base = uri.rstrip("/") if uri.startswith("http") else DEFAULT_UI
+    """A browser link to the run (for a SQLite store: where `mlflow ui` serves it by default);
+    credentials in the URI are redacted."""
+    base = redact_uri(uri).rstrip("/") if uri.startswith("http") else DEFAULT_UI
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
@@ -109,7 +111,7 @@ def start_run(uri: str) -> MlflowRun:
 def end_failed(run: MlflowRun, tracker: Tracker, exc: BaseException) -> None:
     """Mark the run FAILED (KILLED when cancelled or interrupted) with the reason as a tag."""
     tracker.finish()  # what was logged before the failure still lands
-    reason = f"{type(exc).__name__}: {exc}"
+    reason = redact_uri(f"{type(exc).__name__}: {exc}")  # an MLflow error quotes the URI
     run.client.set_tag(run.run_id, "failure_reason", reason[:7900])
     mlflow.end_run("FAILED" if isinstance(exc, Exception) else "KILLED")
     create_markdown_artifact(key=SUMMARY_KEY, markdown=summary_markdown({**run.info, "status": "FAILED", "error": reason}),
@@ -125,7 +127,8 @@ def end_finished(run: MlflowRun, tracker: Tracker, out: dict[str, Any]) -> dict[
             "device_kind": hw["device_kind"], "metrics": out["metrics"], "model_version": out["model_version"]}
     create_markdown_artifact(key=SUMMARY_KEY, markdown=summary_markdown(info), description="needle run summary")
     print(f"MLflow run {run.run_id} in experiment {run.experiment}: {info['ui_link']}")
-    return {**out, "run_id": run.run_id, "experiment_id": run.experiment_id, "tracking_uri": run.uri}
+    # The flow's result is stored by Prefect: the tracking URI goes in without its credentials.
+    return {**out, "run_id": run.run_id, "experiment_id": run.experiment_id, "tracking_uri": redact_uri(run.uri)}
 
 
 def record_inputs(run: MlflowRun, tracker: Tracker, p: FinetuneParams, data_cfg: Any, base: pipeline.Base,
@@ -224,7 +227,8 @@ def eval_metrics(comparison: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def summary_markdown(info: dict[str, Any]) -> str:
-    """The Prefect artifact that summarises one run: devices, key metrics, where the run lives."""
+    """The Prefect artifact that summarises one run: devices, key metrics, where the run lives
+    (any URI's credentials redacted)."""
     lines = [
         f"# needle run: {info['status']}",
         "",
@@ -243,4 +247,4 @@ def summary_markdown(info: dict[str, Any]) -> str:
     if info.get("model_version"):
         lines.append(f"\nRegistered `{info['model_version']['name']}` version {info['model_version']['version']}"
                      f"{' (champion)' if info['model_version']['champion'] else ''}.")
-    return "\n".join(lines) + "\n"
+    return redact_uri("\n".join(lines) + "\n")  # an artifact is stored: no URI credentials

@@ -17,12 +17,14 @@ Prefect or the shell; MLflow is reached only through ``needle.tracking``/``needl
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from needle.config import DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from needle.config import DEFAULT_PRESET, model_preset
@@ -200,24 +202,54 @@ def config_digest(*parts: Any) -> str:
 
 
 def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
-    """Train the auto base once per (data bytes, configs); reuse and replay it afterwards."""
+    """Train the auto base once per (data bytes, configs); reuse and replay it afterwards.
+
+    A file lock next to the base's folder makes a second run that wants the same base (another
+    flow on the same state dir) wait for the first to finish, then reuse what it built.
+    """
     source = load_data(auto.data.source, auto.data.on_error)
     data_key = auto.data.model_dump(mode="json", exclude={"source"})
     configs = [c.model_dump(mode="json") for c in (auto.model, auto.train, auto.optim)]
     base_dir = state / "base" / config_digest(source.digest, data_key, *configs)
     marker = base_dir / _BASE_RECORD
-    if marker.exists():
-        record = json.loads(marker.read_text())
-        if Path(record["model_dir"]).exists():
-            log.info("auto base: reusing %s (trained once for these data and configs)", record["model_dir"])
-            replay_record(record, tracker)
-            return Base("auto", record["model_dir"], load_model(record["model_dir"]), cached=True, record=record)
-    prepared = prepare_data(auto.data, source, vocab_size=auto.model.vocab_size, cache_dir=state / "prepared")
-    trained = train(prepared, auto.model, auto.train, auto.optim, out_dir=base_dir, tracker=tracker)
-    record = {"model_dir": trained.model_dir, "fingerprint": trained.fingerprint,
-              "params": trained.params, "history": trained.history, "prepared_dir": str(prepared.directory)}
-    marker.write_text(json.dumps(record, default=str))
+    with _build_lock(base_dir):
+        cached = _cached_base(marker, tracker)
+        if cached is not None:
+            return cached
+        prepared = prepare_data(auto.data, source, vocab_size=auto.model.vocab_size, cache_dir=state / "prepared")
+        trained = train(prepared, auto.model, auto.train, auto.optim, out_dir=base_dir, tracker=tracker)
+        record = {"model_dir": trained.model_dir, "fingerprint": trained.fingerprint,
+                  "params": trained.params, "history": trained.history, "prepared_dir": str(prepared.directory)}
+        marker.write_text(json.dumps(record, default=str))
     return Base("auto", trained.model_dir, load_model(trained.model_dir), cached=False, record=record)
+
+
+def _cached_base(marker: Path, tracker: Tracker) -> Base | None:
+    """The base recorded in ``marker`` (its params and curve replayed into ``tracker``), if it is there."""
+    if not marker.exists():
+        return None
+    record = json.loads(marker.read_text())
+    if not Path(record["model_dir"]).exists():
+        return None
+    log.info("auto base: reusing %s (trained once for these data and configs)", record["model_dir"])
+    replay_record(record, tracker)
+    return Base("auto", record["model_dir"], load_model(record["model_dir"]), cached=True, record=record)
+
+
+@contextmanager
+def _build_lock(base_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<base_dir>.lock``; another holder makes this wait (one line)."""
+    base_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(base_dir.with_name(base_dir.name + ".lock"), "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("auto base: another run is building %s; waiting for it", base_dir)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def replay_record(record: dict[str, Any], tracker: Tracker) -> None:

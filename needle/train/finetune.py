@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,20 @@ def make_plans(
 
 
 def _tokenizer_record(tokenizer: Tokenizer, out_dir: Path) -> tuple[str, str]:
-    """Save the tokenizer next to the checkpoints; return its path and content hash."""
-    tok_dir = out_dir / "tokenizer"
-    tokenizer.save(tok_dir)
-    path = tok_dir / "tokenizer.json"
-    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
+    """Where the tokenizer is kept next to the checkpoints, and its content hash.
+
+    Nothing is written under ``out_dir`` here: a refused resume must leave it as it was, so the
+    tokenizer is saved (``save_tokenizer``) only once the checkpoints were found to match.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        sha = hashlib.sha256((Path(tmp) / "tokenizer.json").read_bytes()).hexdigest()
+    return str(out_dir / "tokenizer" / "tokenizer.json"), sha
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
+    """Save the tokenizer next to the checkpoints (``out_dir/tokenizer``)."""
+    tokenizer.save(out_dir / "tokenizer")
 
 
 def build_state(
@@ -179,8 +189,13 @@ def train_with_checkpoints(
     out: Path,
     tracker: Tracker,
     mesh: Any,
+    tokenizer: Tokenizer | None = None,
 ) -> TrainResult:
-    """Resume from the newest matching checkpoint in ``out``, train, checkpoint and log on cadence."""
+    """Resume from the newest matching checkpoint in ``out``, train, checkpoint and log on cadence.
+
+    A checkpoint of another config or dataset is refused (``CheckpointMismatchError``) before
+    anything is written; ``tokenizer`` is saved next to the checkpoints once they match.
+    """
     ckpt = Checkpointer(out / "checkpoints", keep=train_cfg.keep_checkpoints)
     try:
         restored = ckpt.restore_latest(state, meta)
@@ -189,6 +204,8 @@ def train_with_checkpoints(
             state, saved_meta = restored
             start_step = int(saved_meta["step"])
             log.info("resuming %s training at step %d of %d", train_cfg.mode, start_step, train_cfg.steps)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, out)
         hooks = [
             metrics_hook(lambda m, step: tracker.log_metrics(m, step=step), train_cfg.log_every),
             checkpoint_hook(ckpt, meta, train_cfg.checkpoint_every),
@@ -239,7 +256,7 @@ def run_training(
     plans = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id)
     params = run_params(configs, prepared, state, len(plans[0]), data_size(mesh), settings.backend)
     tracker.log_params(params)
-    result = train_with_checkpoints(state, plans, train_cfg, meta, out, tracker, mesh)
+    result = train_with_checkpoints(state, plans, train_cfg, meta, out, tracker, mesh, tokenizer)
     assert result.state is not None
     export_meta = {
         "mode": train_cfg.mode, "fingerprint": prepared.fingerprint, "steps": result.final_step,

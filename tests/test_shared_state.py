@@ -1,0 +1,111 @@
+"""Shared state and deploys (issue 13, item 5): the auto-base lock, URI credentials redacted
+wherever they are printed or stored, a refused resume leaves its folder as it was, and
+prefect.yaml deploys from the checkout it is run in."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from needle import pipeline
+from needle.config import DataConfig, model_preset, training_configs
+from needle.errors import CheckpointMismatchError
+from needle.tracking import MemoryTracker, RedactingFilter, redact_uri, sanitize_params
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET_URI = "http://user:secret@127.0.0.1:1"
+
+
+def test_two_runs_wanting_the_same_auto_base_train_it_once(sample_data: dict[str, Path], tmp_path: Path) -> None:
+    train, optim = training_configs("scratch", steps=2, batch_size=8)
+    auto = pipeline.AutoBase(DataConfig(source=str(sample_data["base"])), model_preset("tiny"), train, optim)
+    start, bases, errors = threading.Barrier(2), [], []
+
+    def obtain() -> None:
+        start.wait()
+        try:
+            bases.append(pipeline.obtain_base("auto", auto=auto, state_dir=tmp_path, tracker=MemoryTracker()))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=obtain) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and len(bases) == 2
+    assert sorted(b.cached for b in bases) == [False, True]  # trained once; the other waited and reused it
+    assert bases[0].model_dir == bases[1].model_dir
+    assert len(list((tmp_path / "base").glob("*/model"))) == 1
+
+
+def test_redact_uri_hides_passwords_and_tokens_only() -> None:
+    assert redact_uri(SECRET_URI) == "http://user:***@127.0.0.1:1"
+    assert redact_uri("https://tok123@host/x") == "https://***@host/x"
+    assert redact_uri("error: API request to http://u:p4ss@h:5000/api failed") == \
+        "error: API request to http://u:***@h:5000/api failed"
+    for plain in ("sqlite:////abs/mlflow.db", "http://127.0.0.1:5000/#/experiments/1", "file:///tmp/a", "hf:o/n@rev"):
+        assert redact_uri(plain) == plain
+    clean, _ = sanitize_params({"tracking": SECRET_URI, "data.source": "s3://k:v@bucket/x.jsonl"})
+    assert "secret" not in str(clean) and "v@" not in str(clean)
+
+
+def test_log_records_and_tracebacks_are_redacted() -> None:
+    try:
+        raise ConnectionError(f"cannot reach {SECRET_URI}/api")
+    except ConnectionError as exc:
+        record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "failed: %s", (exc,),
+                                   exc_info=(type(exc), exc, exc.__traceback__))
+    assert RedactingFilter().filter(record)
+    text = logging.Formatter().format(record)
+    assert "secret" not in text and "user:***@127.0.0.1:1" in text and "ConnectionError" in text
+
+
+def test_flow_summary_result_and_cli_output_carry_no_password(capsys: pytest.CaptureFixture[str]) -> None:
+    from flows import cli
+    from flows import run_record as rec
+
+    run = rec.MlflowRun(client=None, uri=SECRET_URI, experiment_id="1", experiment="needle-local", run_id="abc")
+    markdown = rec.summary_markdown({**run.info, "status": "FAILED", "error": f"ConnectionError: {SECRET_URI}"})
+    assert "secret" not in markdown and "user:***@127.0.0.1:1/#/experiments/1/runs/abc" in markdown
+    cli._print_result({"tracking_uri": SECRET_URI, "run_id": "abc", "experiment_id": "1", "model_dir": "m"},
+                      rec.ui_link)
+    assert "secret" not in capsys.readouterr().out
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()} | {".": (b"", folder.stat().st_mtime_ns)}
+
+
+def test_a_refused_resume_leaves_the_output_folder_as_it_was(sample_data: dict[str, Path], tmp_path: Path) -> None:
+    model = model_preset("tiny")
+    out = tmp_path / "out"
+
+    def run(lr: float) -> Any:
+        train, optim = training_configs("scratch", steps=2, batch_size=8, train={"checkpoint_every": 1},
+                                        optim={"lr": lr})
+        prepared = pipeline.prepare_data(DataConfig(source=str(sample_data["new"])), vocab_size=model.vocab_size,
+                                         cache_dir=out / "data")
+        return pipeline.train(prepared, model, train, optim, out_dir=out)
+
+    run(1e-3)
+    before = {name: _snapshot(out / name) for name in ("data", "tokenizer", "checkpoints")}
+    with pytest.raises(CheckpointMismatchError, match="optim.lr"):
+        run(2e-3)
+    assert {name: _snapshot(out / name) for name in before} == before
+
+
+def test_prefect_yaml_deploys_from_the_checkout_without_needle_checkout() -> None:
+    import yaml
+
+    text = (ROOT / "prefect.yaml").read_text()
+    spec = yaml.safe_load(text)
+    # No pull section: `prefect deploy` records set_working_directory(<the directory it ran in>).
+    assert spec.get("pull") is None and all(d.get("pull") is None for d in spec["deployments"])
+    assert "$NEEDLE_CHECKOUT" not in text
+    assert "NEEDLE_CHECKOUT" not in (ROOT / "deployments" / "stack-up.sh").read_text()
