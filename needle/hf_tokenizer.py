@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
-from needle.tokenizer import TOKENIZER_FILE
+from needle.tokenizer import TOKENIZER_FILE, RawTokenIds
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -50,7 +50,7 @@ def _pick_template(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-class HFTokenizer:
+class HFTokenizer(RawTokenIds):
     """A model's own tokenizer: ``tokenizers`` for the ids, its config for specials and template."""
 
     def __init__(
@@ -125,28 +125,7 @@ class HFTokenizer:
     def chat_template(self) -> str | None:
         return self._template
 
-    # -- ids and text ----------------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return self._raw.get_vocab_size(with_added_tokens=True)
-
-    def token_id(self, tok: str) -> int:
-        got = self._raw.token_to_id(tok)
-        if got is None:
-            raise KeyError(f"token {tok!r} is not in the vocabulary")
-        return got
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; added/special tokens written in the text become their ids."""
-        return list(self._raw.encode(text, add_special_tokens=False).ids)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(e.ids) for e in self._raw.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        return self._raw.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
-    # -- persistence -----------------------------------------------------------------------
+    # -- persistence (ids and text: RawTokenIds) -------------------------------------------- -----------------------------------------------------------------------
     def to_json(self) -> str:
         """tokenizer.json's text as loaded (the chat template is hashed by the ChatFormat)."""
         return self._json

@@ -67,23 +67,52 @@ class TokenizerLike(Protocol):
     def save(self, directory: str | Path) -> Path: ...
 
 
-class Tokenizer:
+class RawTokenIds:
+    """Ids and text over a ``tokenizers.Tokenizer`` in ``self._raw``: what both wrappers share.
+
+    Text is always encoded without the tokenizer's own special-token post-processing: every
+    chat template writes its special tokens itself.
+    """
+
+    _raw: RawTokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._raw.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, tok: str) -> int:
+        """Id of one token string (special or ordinary); KeyError if it is not in the vocab."""
+        got = self._raw.token_to_id(tok)
+        if got is None:
+            raise KeyError(f"token {tok!r} is not in the vocabulary")
+        return got
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text become their ids."""
+        return list(self._raw.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` over many texts at once (parallel inside ``tokenizers``)."""
+        return [list(e.ids) for e in self._raw.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ``ids``; exact inverse of :meth:`encode` unless ``skip_special``."""
+        return self._raw.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+
+class Tokenizer(RawTokenIds):
     """A thin, typed wrapper over an HF byte-level BPE ``tokenizers.Tokenizer``."""
 
     def __init__(self, hf: RawTokenizer) -> None:
-        self._hf = hf
+        self._raw = hf
         self._check_specials()
 
     def _check_specials(self) -> None:
         # The template and the model code hard-wire pad=0 etc.; a tokenizer with other ids
         # would train silently wrong, so refuse it here.
-        problem = native_specials_problem(self._hf)
+        problem = native_specials_problem(self._raw)
         if problem:
             raise ValueError(problem)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._hf.get_vocab_size(with_added_tokens=True)
 
     @property
     def pad_id(self) -> int:
@@ -107,28 +136,9 @@ class Tokenizer:
         """None: needle's own template (needle/data/render.py) is not a Jinja chat template."""
         return None
 
-    def token_id(self, tok: str) -> int:
-        """Id of one token string (special or ordinary); KeyError if it is not in the vocab."""
-        got = self._hf.token_to_id(tok)
-        if got is None:
-            raise KeyError(f"token {tok!r} is not in the vocabulary")
-        return got
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text become their ids."""
-        return list(self._hf.encode(text, add_special_tokens=False).ids)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """``encode`` over many texts at once (parallel inside ``tokenizers``)."""
-        return [list(e.ids) for e in self._hf.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        """Text of ``ids``; exact inverse of :meth:`encode` unless ``skip_special``."""
-        return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
-
     def to_json(self) -> str:
         """The full tokenizer as HF's tokenizer.json string (stable: used in fingerprints)."""
-        return self._hf.to_str()
+        return self._raw.to_str()
 
     @classmethod
     def from_json(cls, text: str) -> "Tokenizer":

@@ -102,6 +102,11 @@ def parse_calls(text: str) -> ParsedCall:
     payload = payload.strip()
     if not payload:
         return ParsedCall(None, f"nothing after {CALL}", reasoning)
+    return _decode_call_list(payload, reasoning)
+
+
+def _decode_call_list(payload: str, reasoning: str | None) -> ParsedCall:
+    """One JSON call list filling ``payload`` exactly, checked call by call."""
     try:
         value, end = json.JSONDecoder().raw_decode(payload)
     except json.JSONDecodeError as exc:
@@ -248,14 +253,7 @@ def parse_json_list(text: str) -> ParsedCall:
     body = body.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
     if not body:
         return ParsedCall(None, "no call list", reasoning)
-    try:
-        value, end = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError as exc:
-        return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
-    if body[end:].strip():
-        return ParsedCall(None, f"text after the JSON at char {end}", reasoning)
-    problem = check_calls(value)
-    return ParsedCall(None, problem, reasoning) if problem else ParsedCall(value, None, reasoning)
+    return _decode_call_list(body, reasoning)
 
 
 def parser_for(template: str | None) -> Parser:
