@@ -55,7 +55,8 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     train_cfg, optim_cfg = p.training_configs()
     key = config_digest(prepared.fingerprint, base_model.model_cfg, train_cfg, optim_cfg, p.lora, base_model.model_dir)
     run_dir = state / "runs" / str(runtime.flow_run.id or "local")
-    tuned = finetune(prepared, base_model, train_cfg, optim_cfg, p.lora, run_dir / f"{p.mode}-{key}", tracker)
+    # Keyed by data and configs, not by flow run: re-running a killed flow resumes its checkpoints.
+    tuned = finetune(prepared, base_model, train_cfg, optim_cfg, p.lora, state / "finetune" / f"{p.mode}-{key}", tracker)
     report = evaluate(base_model, tuned.model_dir, prepared, p.eval, run_dir / "eval")
     exports = export(tuned.model_dir, run_dir / "export")
     metrics = rec.record_results(run, tracker, base_model, prepared, tuned, report, run_dir, exports)

@@ -212,7 +212,7 @@ def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
     configs = [c.model_dump(mode="json") for c in (auto.model, auto.train, auto.optim)]
     base_dir = state / "base" / config_digest(source.digest, data_key, *configs)
     marker = base_dir / _BASE_RECORD
-    with _build_lock(base_dir):
+    with build_lock(base_dir, "auto base"):
         cached = _cached_base(marker, tracker)
         if cached is not None:
             return cached
@@ -237,14 +237,14 @@ def _cached_base(marker: Path, tracker: Tracker) -> Base | None:
 
 
 @contextmanager
-def _build_lock(base_dir: Path) -> Iterator[None]:
+def build_lock(base_dir: Path, what: str = "auto base") -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``<base_dir>.lock``; another holder makes this wait (one line)."""
     base_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(base_dir.with_name(base_dir.name + ".lock"), "a") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("auto base: another run is building %s; waiting for it", base_dir)
+            log.info("%s: another run is building %s; waiting for it", what, base_dir)
             fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
