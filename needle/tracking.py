@@ -1,24 +1,20 @@
-"""Experiment tracking behind a small protocol: no-op, in-memory, MLflow, and prefixed trackers.
+"""Experiment tracking behind a small protocol: no-op, in-memory and prefixed trackers, and the
+redaction every tracker applies (URI credentials, secret-looking param names).
 
 The training loop and the pipeline stages only see :class:`Tracker`; the orchestration shell
-picks the implementation. :class:`MlflowTracker` writes to one existing MLflow run through
-``MlflowClient`` with an explicit run id (MLflow's fluent "active run" is per thread, so a
-tracker used from a Prefect task thread would otherwise open a second run) and buffers metrics
-so the training loop never waits on one synchronous call per step.
+picks the implementation: the MLflow one is needle.mlflow_tracker.MlflowTracker (also importable
+from here), which buffers metrics in a background thread so training never waits on MLflow.
 
-    from needle.tracking import MlflowTracker
-    tracker = MlflowTracker(run_id, "sqlite:////abs/path/mlflow.db")
-    tracker.log_params({"lora.rank": 8, "hf_token": "..."})  # the token is logged as redacted
-    tracker.log_metrics({"loss": 2.3}, step=10)
-    tracker.finish()  # flushes, marks the run FINISHED
+    from needle.tracking import MemoryTracker, PrefixedTracker, redact_uri
+    tracker = PrefixedTracker(MemoryTracker(), "base/")
+    tracker.log_metrics({"loss": 2.3}, step=10)   # recorded as base/loss
+    redact_uri("http://user:pw@host")             # 'http://user:***@host'
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,7 +24,6 @@ REDACTED = "***redacted***"
 # MLflow's limits (mlflow.utils.validation); batches larger than these are rejected.
 MAX_PARAM_VALUE_CHARS = 6000
 MAX_TAG_VALUE_CHARS = 8000
-_MAX_METRICS_PER_BATCH = 1000
 _MAX_PARAMS_PER_BATCH = 100
 TRUNCATED_TAG = "needle.truncated_params"
 # Whole words of a key, so "max_new_tokens" or "keep_checkpoints" stay visible while
@@ -165,93 +160,6 @@ class MemoryTracker(NoopTracker):
         self.tags.update(tags)
 
 
-class MlflowTracker:
-    """Logs to an existing MLflow run by id; metrics are buffered and sent with ``log_batch``.
-
-    The buffer is flushed when it holds ``flush_every`` values, when ``flush_seconds`` have
-    passed since the last flush (so the UI shows progress in long runs), and on ``finish``.
-    """
-
-    def __init__(
-        self,
-        run_id: str,
-        tracking_uri: str | None = None,
-        flush_every: int = 500,
-        flush_seconds: float = 15.0,
-        terminate_on_finish: bool = True,
-    ) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self.run_id = run_id
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.flush_every = max(1, flush_every)
-        self.flush_seconds = flush_seconds
-        self.terminate_on_finish = terminate_on_finish
-        self._buffer: list[Any] = []
-        self._last_flush = time.monotonic()
-        self._truncated: list[str] = []
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        """Log params (stringified, secrets redacted, over-long values truncated and noted)."""
-        from mlflow.entities import Param, RunTag
-
-        clean, truncated = sanitize_params(params)
-        items = [Param(k, v) for k, v in clean.items()]
-        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i : i + _MAX_PARAMS_PER_BATCH], synchronous=True)
-        if truncated:
-            self._truncated.extend(truncated)
-            log.warning(
-                "params truncated to %d chars for MLflow: %s", MAX_PARAM_VALUE_CHARS, ", ".join(truncated)
-            )
-            self.client.log_batch(
-                self.run_id, tags=[RunTag(TRUNCATED_TAG, ",".join(self._truncated))], synchronous=True
-            )
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Buffer one step's metrics; flush when the buffer or the clock says so."""
-        from mlflow.entities import Metric
-
-        now_ms = int(time.time() * 1000)
-        for key, value in metrics.items():
-            number = float(value)
-            # MLflow stores NaN but rejects +-inf on some stores; keep the signal as a large number.
-            if math.isinf(number):
-                number = math.copysign(1e308, number)
-            self._buffer.append(Metric(key, number, now_ms, int(step)))
-        if len(self._buffer) >= self.flush_every or time.monotonic() - self._last_flush >= self.flush_seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        """Send buffered metrics in batches of MLflow's maximum size."""
-        buffer, self._buffer = self._buffer, []
-        for i in range(0, len(buffer), _MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=buffer[i : i + _MAX_METRICS_PER_BATCH], synchronous=True)
-        self._last_flush = time.monotonic()
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        """Upload a file, or a directory's contents, under ``artifact_path``."""
-        p = Path(path)
-        if p.is_dir():
-            self.client.log_artifacts(self.run_id, str(p), artifact_path)
-        else:
-            self.client.log_artifact(self.run_id, str(p), artifact_path)
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        """Set run tags (values stringified; secret-looking keys and URI credentials redacted)."""
-        from mlflow.entities import RunTag
-
-        items = [RunTag(k, _clip_tag(REDACTED if is_secret_key(k) else redact_uri(str(v)))) for k, v in tags.items()]
-        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, tags=items[i : i + _MAX_PARAMS_PER_BATCH], synchronous=True)
-
-    def finish(self, status: str = "FINISHED") -> None:
-        """Flush metrics and, unless the owner ends the run itself, mark it terminated."""
-        self.flush()
-        if self.terminate_on_finish:
-            self.client.set_terminated(self.run_id, status=status)
-
-
 class PrefixedTracker:
     """Puts a prefix on param, metric and tag names (``base/loss``), so a base model's training
     shares a run with the fine-tuning without clashing keys; ``finish`` flushes the inner one."""
@@ -278,3 +186,17 @@ class PrefixedTracker:
     def finish(self, status: str = "FINISHED") -> None:
         """Flush the inner tracker."""
         self.inner.finish(status)
+
+
+_MLFLOW_NAMES = {"MlflowTracker", "TrackingUnavailableError", "HEARTBEAT_TAG", "check_tracking",
+                 "tracking_reachable", "upload_pending_metrics"}
+
+
+def __getattr__(name: str) -> Any:
+    """The MLflow tracker lives in needle.mlflow_tracker; ``from needle.tracking import
+    MlflowTracker`` keeps working without importing it for users of the protocol alone."""
+    if name in _MLFLOW_NAMES:
+        from needle import mlflow_tracker
+
+        return getattr(mlflow_tracker, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

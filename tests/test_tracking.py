@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,12 @@ def test_flush_every_sends_without_finish(mlflow_run: tuple[str, str]) -> None:
     tracker = MlflowTracker(run_id, uri, flush_every=4, flush_seconds=1e9)
     tracker.log_metrics({"a": 1.0, "b": 2.0}, step=1)
     tracker.log_metrics({"a": 1.5, "b": 2.5}, step=2)
+    # The background sender delivers a full buffer by itself; no finish or flush is called.
+    deadline = time.monotonic() + 30
+    while len(tracker.client.get_metric_history(run_id, "a")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(tracker.client.get_metric_history(run_id, "a")) == 2
+    assert tracker.pending == 0
 
 
 def test_params_redacted_and_truncated_with_note(mlflow_run: tuple[str, str]) -> None:
