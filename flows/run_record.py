@@ -9,6 +9,8 @@ except ``start_run``/``end_*``, which own the flow thread's active run.
 """
 
 import json
+import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +22,18 @@ from prefect import runtime
 from prefect.artifacts import create_markdown_artifact
 
 from flows.params import FinetuneParams
-from flows.paths import CHECKOUT
+from flows.paths import CHECKOUT, state_dir
+from flows.reaper import watch_ephemeral_server
 from needle import pipeline
 from needle.data.prepare import TOKENIZER_SUBDIR
+from needle.mlflow_tracker import HEARTBEAT_TAG, check_tracking, upload_pending_metrics
 from needle.tracking import Tracker, redact_uri
 
 LOCAL_EXPERIMENT = "needle-local"
 DEFAULT_UI = "http://127.0.0.1:5000"
 SUMMARY_KEY = "needle-run-summary"
+HOST_TAG, PID_TAG, PID_STARTED_TAG = "needle.host", "needle.pid", "needle.pid_started"
+STALE_AFTER_S = 15 * 60  # a run elsewhere with no heartbeat for this long is dead (the beat is every minute)
 
 
 @dataclass(frozen=True)
@@ -89,13 +95,21 @@ def ui_link(uri: str, experiment_id: str, run_id: str) -> str:
 
 
 def start_run(uri: str) -> MlflowRun:
-    """Start (or, for a restarted flow run, resume) the flow run's MLflow run in this thread."""
+    """Start (or, for a restarted flow run, resume) the flow run's MLflow run in this thread.
+
+    First it checks that the store answers (seconds, not MLflow's minutes of retries), uploads
+    metrics an earlier run could not deliver, and marks runs whose process died KILLED.
+    """
+    check_tracking(uri)
+    watch_ephemeral_server()  # embedded: a kill -9 of this process must not leave Prefect's server up
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
+    upload_pending_metrics(client, pending_metrics_dir())
     deployment = runtime.deployment.name
     exp_name = experiment_name(deployment)
     exp_id = ensure_experiment(client, exp_name, uri)
     flow_run_id = str(runtime.flow_run.id)
+    mark_stale_runs(client, exp_id, flow_run_id)
     earlier = client.search_runs([exp_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'", max_results=1)
     run = mlflow.start_run(
         run_id=earlier[0].info.run_id if earlier else None,
@@ -103,9 +117,62 @@ def start_run(uri: str) -> MlflowRun:
         run_name=None if earlier else runtime.flow_run.name,
         log_system_metrics=True,
         tags={"prefect.flow_run_id": flow_run_id, "prefect.flow_run_name": str(runtime.flow_run.name),
-              "prefect.deployment": str(deployment), "git_commit": git_commit()},
+              "prefect.deployment": str(deployment), "git_commit": git_commit(), **process_tags()},
     )
     return MlflowRun(client, uri, exp_id, exp_name, run.info.run_id)
+
+
+def pending_metrics_dir() -> Path:
+    """Where a tracker spills metrics MLflow did not take; the next run uploads them."""
+    return state_dir() / "pending-metrics"
+
+
+def process_tags() -> dict[str, str]:
+    """Which process owns the run (host, pid, its start time): how a later run tells it died."""
+    import psutil
+
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()),
+            PID_STARTED_TAG: f"{psutil.Process().create_time():.2f}"}
+
+
+def run_is_stale(tags: dict[str, str], now: float, stale_after_s: float = STALE_AFTER_S) -> Optional[str]:
+    """Why a RUNNING run is dead, or None if it may be alive: its process on this host is gone,
+    or (elsewhere) its heartbeat stopped ``stale_after_s`` ago. Runs without needle's tags are
+    left alone."""
+    import psutil
+
+    if tags.get(HOST_TAG) == socket.gethostname() and tags.get(PID_TAG, "").isdigit():
+        try:
+            started = psutil.Process(int(tags[PID_TAG])).create_time()
+        except psutil.Error:
+            return f"its process {tags[PID_TAG]} on this host is gone"
+        if abs(started - float(tags.get(PID_STARTED_TAG, started))) > 1.0:
+            return f"its process {tags[PID_TAG]} on this host is gone (the pid was reused)"
+        return None
+    beat = tags.get(HEARTBEAT_TAG, "")
+    if beat.isdigit() and now - int(beat) > stale_after_s:
+        return f"no heartbeat for {(now - int(beat)) / 60:.0f} min"
+    return None
+
+
+def mark_stale_runs(client: Any, experiment_id: str, own_flow_run_id: str) -> list[str]:
+    """End RUNNING runs of the experiment whose process died (kill -9, a lost machine) as
+    KILLED, with the reason as tag ``failure_reason``; returns their ids."""
+    import time
+
+    ended = []
+    for r in client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=200):
+        tags = dict(r.data.tags)
+        if tags.get("prefect.flow_run_id") == own_flow_run_id:
+            continue  # our own run, resumed by a retry of this flow run
+        why = run_is_stale(tags, time.time())
+        if why is None:
+            continue
+        client.set_tag(r.info.run_id, "failure_reason", f"marked KILLED by a later run: {why}")
+        client.set_terminated(r.info.run_id, status="KILLED")
+        print(f"MLflow run {r.info.run_id} was left RUNNING but {why}: marked KILLED")
+        ended.append(r.info.run_id)
+    return ended
 
 
 def end_failed(run: MlflowRun, tracker: Tracker, exc: BaseException) -> None:

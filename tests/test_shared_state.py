@@ -109,3 +109,24 @@ def test_prefect_yaml_deploys_from_the_checkout_without_needle_checkout() -> Non
     assert spec.get("pull") is None and all(d.get("pull") is None for d in spec["deployments"])
     assert "$NEEDLE_CHECKOUT" not in text
     assert "NEEDLE_CHECKOUT" not in (ROOT / "deployments" / "stack-up.sh").read_text()
+
+
+def test_stale_run_rules() -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from flows.run_record import HEARTBEAT_TAG, HOST_TAG, PID_STARTED_TAG, PID_TAG, process_tags, run_is_stale
+
+    now = time.time()
+    assert run_is_stale(process_tags(), now) is None  # this very process
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = {HOST_TAG: socket.gethostname(), PID_TAG: dead.stdout.strip(), PID_STARTED_TAG: "1.0"}
+    assert "is gone" in run_is_stale(gone, now)
+    reused = {**process_tags(), PID_STARTED_TAG: "1.0"}  # a live pid that started at another time
+    assert "reused" in run_is_stale(reused, now)
+    elsewhere = {HOST_TAG: "another-host", PID_TAG: "1"}
+    assert "no heartbeat for 20 min" in run_is_stale({**elsewhere, HEARTBEAT_TAG: str(int(now - 1200))}, now)
+    assert run_is_stale({**elsewhere, HEARTBEAT_TAG: str(int(now - 60))}, now) is None
+    assert run_is_stale({}, now) is None  # not needle's: left alone
