@@ -190,6 +190,10 @@ class EvalConfig(_Strict):
     max_new_tokens: int = Field(96, gt=0, description="token budget for each generated answer (two-call answers reach ~70)")
     batch_size: int = Field(32, gt=0, description="rows decoded together")
     max_rows: int | None = Field(None, gt=0, description="cap on evaluated rows (None: the whole split)")
+    constrained: bool = Field(
+        True, description="also decode under the offered tools' call grammar and report constrained_* metrics "
+        "beside free decoding's (needle/serve/constrain.py)"
+    )
 
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {

@@ -21,6 +21,11 @@ A prompt longer than ``max_len - max_new_tokens`` cannot fit a full-length answe
 the prompt whole and lets that row generate only ``max_len - len(prompt)`` tokens (counted in
 ``Generation.n_shrunk``). A prompt of ``max_len`` tokens or more is always an error (evaluation
 left-truncates those itself, with a count).
+With ``matchers`` (one grammar matcher or None per prompt, needle/serve/constrain.py), a batch that
+holds a constrained row decodes on a host loop instead: one jitted prefill, then one jitted cached
+step per token; before each argmax the logits are masked on the device with the rows' bitmasks
+(``[rows, ceil(vocab/32)]`` int32, filled by the matchers in parallel on the host), and each
+chosen token is fed back to its row's matcher. Free batches keep the single compiled loop.
 ``generate_uncached`` is the slow reference (a full forward pass per token) for the tests.
 
     from needle.eval.decode import generate
@@ -57,13 +62,15 @@ def stop_array(end_id: StopIds) -> np.ndarray:
 @dataclass(frozen=True)
 class Generation:
     """Generated ids per prompt (the stop id excluded), whether each emitted a stop id, the
-    generated tokens summed over prompts (stop ids included), and how many prompts had their
-    token budget shrunk to fit ``max_len``."""
+    generated tokens summed over prompts (stop ids included), how many prompts had their
+    token budget shrunk to fit ``max_len``, and how many constrained rows were steered to close
+    their call list near the end of their budget."""
 
     ids: list[list[int]]
     finished: list[bool]
     n_tokens: int
     n_shrunk: int = 0
+    n_steered: int = 0
 
 
 def prompt_budget(model: Transformer, max_new_tokens: int) -> int:
@@ -134,6 +141,75 @@ def _decode_batch(
     return jax.lax.while_loop(keep_going, one_step, state)[4]
 
 
+def _masked_argmax(logits: jax.Array, bits: jax.Array, closing: jax.Array, scores: jax.Array) -> jax.Array:
+    """Greedy pick among the tokens whose bit is set in ``bits[B, W]`` (bit ``i % 32`` of word
+    ``i // 32``); a row with ``closing`` 1 (outside a JSON string) or 2 (inside one) picks the
+    allowed token of highest closing ``scores[closing - 1]`` first."""
+    vocab = logits.shape[-1]
+    idx = jnp.arange(vocab, dtype=jnp.int32)
+    allowed = ((bits[:, idx // 32] >> (idx % 32)) & 1).astype(bool)
+    logits = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    # log-probs are >= -1e4 in practice: a closing score of 1 outranks any difference in them.
+    bonus = jnp.where((closing == 2)[:, None], scores[1, None, :vocab], scores[0, None, :vocab])
+    logits = logits + jnp.where((closing > 0)[:, None], bonus * 1e5, 0.0)
+    return jnp.argmax(jnp.where(allowed, logits, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames="model", donate_argnames="cache")
+def _prefill_masked(model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
+                    bits: jax.Array, closing: jax.Array, scores: jax.Array) -> tuple[jax.Array, Any]:  # fmt: skip
+    logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return _masked_argmax(last, bits, closing, scores), upd["cache"]
+
+
+@partial(jax.jit, static_argnames="model", donate_argnames="cache")
+def _step_masked(model: Transformer, params: Any, cache: Any, tok: jax.Array, pos: jax.Array,
+                 bits: jax.Array, closing: jax.Array, scores: jax.Array) -> tuple[jax.Array, Any]:  # fmt: skip
+    logits, upd = model.apply({"params": params, "cache": cache}, tok[:, None], pos[:, None], decode=True,
+                              mutable=["cache"])  # fmt: skip
+    return _masked_argmax(logits[:, 0], bits, closing, scores), upd["cache"]
+
+
+def _decode_batch_constrained(
+    model: Transformer, params: Any, cache: Any, tokens: np.ndarray, lengths: np.ndarray, limits: np.ndarray,
+    stops: np.ndarray, pad_id: int, max_new: int, matchers: list[Any], constraints: Any,
+) -> tuple[np.ndarray, int]:  # fmt: skip
+    """The host-loop twin of :func:`_decode_batch`: the same greedy steps with grammar masks.
+
+    Returns the tokens and how many constrained rows were steered to close (``CLOSE_RESERVE``).
+    """
+    from needle.serve.constrain import CLOSE_RESERVE, BatchMasks
+
+    masks = BatchMasks(matchers, constraints.tok_vocab, model.cfg.vocab_size, stops.tolist())
+    scores = constraints.close_scores(model.cfg.vocab_size)
+    constrained = np.array([m is not None for m in matchers])
+    rows = tokens.shape[0]
+    out = np.full((rows, max_new), pad_id, np.int32)
+    closing = (constrained & (limits <= CLOSE_RESERVE)).astype(np.int32)
+    nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, closing, scores)
+    nxt = np.asarray(nxt)
+    out[:, 0] = nxt
+    done = np.isin(nxt, stops) | (limits <= 1)
+    steered = (closing > 0) & ~done
+    token_bytes = constraints.token_bytes()
+    pos = lengths.astype(np.int32)
+    for step in range(1, max_new):
+        if done.all():
+            break
+        masks.update(nxt, done, token_bytes)
+        feed = np.where(done, pad_id, nxt).astype(np.int32)
+        near_end = constrained & ~done & (limits - step <= CLOSE_RESERVE)
+        steered |= near_end
+        closing = np.where(near_end, np.where(masks.in_string, 2, 1), 0).astype(np.int32)
+        nxt, cache = _step_masked(model, params, cache, feed, pos, masks.bits, closing, scores)
+        nxt = np.where(done, pad_id, np.asarray(nxt)).astype(np.int32)
+        out[:, step] = nxt
+        pos = pos + 1
+        done = done | np.isin(nxt, stops) | (step + 1 >= limits)
+    return out, int(steered.sum())
+
+
 def _cut_at_end(row: np.ndarray, stop_ids: np.ndarray) -> tuple[list[int], bool, int]:
     """(ids before the first stop id, whether one occurred, tokens generated including it)."""
     hits = np.flatnonzero(np.isin(row, stop_ids))
@@ -153,8 +229,18 @@ def generate_detailed(
     pad_id: int,
     batch_size: int,
     overflow: Overflow = "error",
+    matchers: Sequence[Any | None] | None = None,
+    constraints: Any = None,
 ) -> Generation:
-    """Like :func:`generate`, also saying which rows finished and how many tokens were made."""
+    """Like :func:`generate`, also saying which rows finished and how many tokens were made.
+
+    ``matchers`` (one per prompt, None for a free row) constrains decoding (module doc); it needs
+    ``constraints``, the ``needle.serve.constrain.Constraints`` that made them.
+    """
+    if matchers is not None and constraints is None:
+        raise ValueError("matchers need the constraints that made them")
+    if matchers is not None and len(matchers) != len(prompts):
+        raise ValueError(f"matchers: {len(matchers)} given for {len(prompts)} prompts")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens}, {batch_size}")
     _check_prompts(model, prompts, max_new_tokens, overflow)
@@ -164,7 +250,7 @@ def generate_detailed(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     ids: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    n_tokens = 0
+    n_tokens = n_steered = 0
     for start in range(0, len(order), rows):
         chunk = order[start : start + rows]
         bucket = bucket_for(max(len(prompts[i]) for i in chunk), max_len)
@@ -176,16 +262,22 @@ def generate_detailed(
             lengths[r] = len(prompts[i])
             limits[r] = min(max_new_tokens, max_len - len(prompts[i]))
         cache = init_cache(model, rows, min(max_len, bucket + max_new_tokens))
-        # stop/pad ids are traced, not static: one compiled program serves every tokenizer.
-        out = _decode_batch(
-            model, params, cache, tokens, lengths, limits, stops, np.int32(pad_id), max_new=max_new_tokens
-        )
-        out = np.asarray(out)
+        row_matchers = [matchers[i] for i in chunk] + [None] * (rows - len(chunk)) if matchers else []
+        if any(m is not None for m in row_matchers):
+            out, steered = _decode_batch_constrained(model, params, cache, tokens, lengths, limits, stops, pad_id,
+                                                     max_new_tokens, row_matchers, constraints)  # fmt: skip
+            n_steered += steered
+        else:
+            # stop/pad ids are traced, not static: one compiled program serves every tokenizer.
+            out = _decode_batch(
+                model, params, cache, tokens, lengths, limits, stops, np.int32(pad_id), max_new=max_new_tokens
+            )
+            out = np.asarray(out)
         for r, i in enumerate(chunk):
             ids[i], finished[i], made = _cut_at_end(out[r, : limits[r]], stops)
             n_tokens += made
     n_shrunk = sum(max_len - len(p) < max_new_tokens for p in prompts)
-    return Generation(ids, finished, n_tokens, n_shrunk)
+    return Generation(ids, finished, n_tokens, n_shrunk, n_steered)
 
 
 def generate(

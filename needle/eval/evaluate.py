@@ -15,6 +15,14 @@ to leave ``max_new_tokens`` of room), ``n_budget_shrunk`` (prompts longer than `
 max_new_tokens``, kept whole but given only the remaining context to answer in) and
 ``n_unfinished`` (rows that ran out of tokens without a stop id).
 
+With ``cfg.constrained`` (the default) every row is decoded a second time under the grammar of
+its offered tools (needle/serve/constrain.py) and ``metrics`` also holds the same keys prefixed
+``constrained_`` (``constrained_valid_call_rate``, ``constrained_exact_match``, …,
+``constrained_rows_per_s``, ``constrained_n_steered``), the per-row table of that decode in
+``constrained_examples``. The unprefixed keys stay free decoding's, so gates and history compare
+like with like. A chat format without a call grammar (FunctionGemma's) skips the second decode
+and says so in ``constrained_skipped``.
+
     from needle.config import EvalConfig
     from needle.eval.evaluate import evaluate_model
     result = evaluate_model("runs/tuned/model", data.splits["test"], EvalConfig(max_rows=200))
@@ -63,6 +71,7 @@ class EvalResult:
     wall_s: float
     tokens_per_s: float
     rows_per_s: float
+    constrained_examples: list[dict[str, Any]] | None = None
 
 
 def resolve_model(model: str | Path | LoadedModel) -> LoadedModel:
@@ -149,25 +158,12 @@ def evaluate_model(
     model = Transformer(loaded.model_cfg, settings=settings)
     rows = rows_of(split, cfg.max_rows)
     prompts, n_cut = fit_prompts(tok.encode_batch([fmt.render_prompt(r) for r in rows]), model, cfg.max_new_tokens)
-    start = time.perf_counter()
-    gen = generate_detailed(
-        model,
-        loaded.params,
-        prompts,
-        max_new_tokens=cfg.max_new_tokens,
-        end_id=tok.stop_ids,
-        pad_id=tok.pad_id,
-        batch_size=cfg.batch_size,
-        overflow="shrink",
-    )
-    decode_s = time.perf_counter() - start
-    texts = [tok.decode(ids) for ids in gen.ids]
-    parsed = [fmt.parse(t) for t in texts]
-    scored = score_predictions(
-        [{"tools": r.tools, "expected": r.answers, "predicted": p.calls} for r, p in zip(rows, parsed)]
-    )
-    flags = scored.pop("per_example")
-    examples = [_example_row(*args) for args in zip(rows, parsed, texts, gen.finished, flags)]
+    free = _decode_and_score(model, loaded.params, tok, fmt, rows, prompts, cfg, None)
+    scored, examples, gen, decode_s = free
+    extra: dict[str, Any] = {}
+    constrained_examples = None
+    if cfg.constrained:
+        extra, constrained_examples = _constrained_metrics(model, loaded.params, tok, fmt, rows, prompts, cfg)
     val_loss = None
     if isinstance(split, datasets.Dataset) and {"ids", "loss_mask"} <= set(split.column_names):
         subset = split.select(range(len(rows))) if cfg.max_rows else split
@@ -179,6 +175,7 @@ def evaluate_model(
         "n_prompts_truncated": n_cut,
         "n_budget_shrunk": gen.n_shrunk,
         "n_unfinished": sum(not f for f in gen.finished),
+        **extra,
     }
     return EvalResult(
         metrics=metrics,
@@ -186,5 +183,54 @@ def evaluate_model(
         wall_s=time.perf_counter() - started,
         tokens_per_s=gen.n_tokens / decode_s if decode_s > 0 else 0.0,
         rows_per_s=len(rows) / decode_s if decode_s > 0 else 0.0,
+        constrained_examples=constrained_examples,
     )
+
+
+def _decode_and_score(model: Transformer, params: Any, tok: Any, fmt: Any, rows: list[Row], prompts: list[list[int]],
+                      cfg: EvalConfig, constraints: Any) -> tuple[dict[str, Any], list[dict[str, Any]], Any, float]:  # fmt: skip
+    """Decode (free, or under ``constraints``), parse and score: (metrics, examples, generation, decode seconds)."""
+    matchers = [constraints.matcher(r.tools) for r in rows] if constraints is not None else None
+    start = time.perf_counter()
+    gen = generate_detailed(
+        model,
+        params,
+        prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        end_id=tok.stop_ids,
+        pad_id=tok.pad_id,
+        batch_size=cfg.batch_size,
+        overflow="shrink",
+        matchers=matchers,
+        constraints=constraints,
+    )
+    decode_s = time.perf_counter() - start
+    texts = [tok.decode(ids) for ids in gen.ids]
+    parsed = [fmt.parse(t) for t in texts]
+    scored = score_predictions(
+        [{"tools": r.tools, "expected": r.answers, "predicted": p.calls} for r, p in zip(rows, parsed)]
+    )
+    flags = scored.pop("per_example")
+    examples = [_example_row(*args) for args in zip(rows, parsed, texts, gen.finished, flags)]
+    return scored, examples, gen, decode_s
+
+
+def _constrained_metrics(model: Transformer, params: Any, tok: Any, fmt: Any, rows: list[Row],
+                         prompts: list[list[int]], cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:  # fmt: skip
+    """The ``constrained_*`` metrics and examples (module doc); a format without a grammar says why."""
+    from needle.serve.constrain import Constraints, UnsupportedFormat
+
+    try:
+        constraints = Constraints.for_tokenizer(tok, fmt)
+    except UnsupportedFormat as exc:
+        return {"constrained_skipped": str(exc)}, None
+    scored, examples, gen, decode_s = _decode_and_score(model, params, tok, fmt, rows, prompts, cfg, constraints)
+    metrics = {f"constrained_{k}": v for k, v in scored.items() if k not in ("n", "n_with_calls", "n_offtopic")}
+    metrics.update(
+        constrained_n_unfinished=sum(not f for f in gen.finished),
+        constrained_n_steered=gen.n_steered,
+        constrained_rows_per_s=len(rows) / decode_s if decode_s > 0 else 0.0,
+        constrained_tokens_per_s=gen.n_tokens / decode_s if decode_s > 0 else 0.0,
+    )
+    return metrics, examples
 

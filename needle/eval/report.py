@@ -1,7 +1,9 @@
 """Write an evaluation to disk and compare two of them.
 
 ``write_report(result, out_dir)`` writes ``metrics.json`` (the metrics plus timing),
-``examples.jsonl`` (one object per row) and ``examples.csv`` (the same, flags as columns).
+``examples.jsonl`` (one object per row) and ``examples.csv`` (the same, flags as columns), and
+for a constrained decode (``EvalResult.constrained_examples``) ``examples_constrained.jsonl``/``.csv``.
+A comparison lists the ``constrained_*`` metrics beside the free ones (needle/eval/evaluate.py).
 ``compare(before, after)`` lines up the numeric metrics of a base and a tuned model, and
 ``loggable_metrics`` gives the numeric ones for ``Tracker.log_metrics`` (None dropped), and
 ``format_table`` renders either a metrics dict or a comparison as a plain pipe table that reads
@@ -55,18 +57,27 @@ def write_report(result: EvalResult, out_dir: str | Path) -> dict[str, Path]:
         "examples_csv": out / "examples.csv",
     }
     paths["metrics"].write_text(json.dumps(summary_of(result), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    with paths["examples_jsonl"].open("w", encoding="utf-8") as f:
-        for ex in result.examples:
+    _write_examples(result.examples, paths["examples_jsonl"], paths["examples_csv"])
+    if result.constrained_examples is not None:
+        paths["examples_constrained_jsonl"] = out / "examples_constrained.jsonl"
+        paths["examples_constrained_csv"] = out / "examples_constrained.csv"
+        _write_examples(result.constrained_examples, paths["examples_constrained_jsonl"],
+                        paths["examples_constrained_csv"])  # fmt: skip
+    return paths
+
+
+def _write_examples(examples: Sequence[dict[str, Any]], jsonl: Path, csv_path: Path) -> None:
+    with jsonl.open("w", encoding="utf-8") as f:
+        for ex in examples:
             f.write(json.dumps(ex, ensure_ascii=False) + "\n")
     columns: list[str] = []
-    for ex in result.examples:
+    for ex in examples:
         columns.extend(k for k in ex if k not in columns)
-    with paths["examples_csv"].open("w", encoding="utf-8", newline="") as f:
+    with csv_path.open("w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        for ex in result.examples:
+        for ex in examples:
             writer.writerow({k: _csv_value(v) for k, v in ex.items()})
-    return paths
 
 
 def compare(before: EvalResult, after: EvalResult) -> dict[str, dict[str, Any]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import needle.eval.predict as predict_mod
+import needle.serve.engine as engine
 from needle.config import EvalConfig
 from needle.data.render import render_prompt
 from needle.data.schema import Row
@@ -28,7 +29,8 @@ def tools_file(eval_rows: list[Row], tmp_path: Path) -> Path:
 def test_cli_prints_one_json_line_per_query_matching_the_decoder(
     tiny_model_dir: Path, tools_file: Path, eval_rows: list[Row], capsys: pytest.CaptureFixture
 ) -> None:
-    assert predict_mod.run_predict_cli(str(tiny_model_dir), str(tools_file), QUERIES) == 0
+    # --free: exactly the free decoder's output (the constrained default is tests/serve/).
+    assert predict_mod.run_predict_cli(str(tiny_model_dir), str(tools_file), QUERIES, constrained=False) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
     loaded = load_model(tiny_model_dir)
@@ -53,8 +55,8 @@ def test_parsed_calls_and_unfinished_outputs(monkeypatch, tiny_model_dir: Path, 
     tok = loaded.tokenizer
     call = '<|call|>[{"name":"get_time","arguments":{"city":"Oslo"}}]'
     scripted = Generation([tok.encode(call), tok.encode("<|call|>[{")], [True, False], 20)
-    monkeypatch.setattr(predict_mod, "generate_detailed", lambda *a, **k: scripted)
-    out = predict_mod.predict(loaded, eval_rows[0].tools, QUERIES, EvalConfig(max_new_tokens=16))
+    monkeypatch.setattr(engine, "generate_detailed", lambda *a, **k: scripted)
+    out = predict_mod.predict(loaded, eval_rows[0].tools, QUERIES, EvalConfig(max_new_tokens=16), constrained=False)
     assert out[0] == [{"name": "get_time", "arguments": {"city": "Oslo"}}]
     assert out[1]["raw"] == "<|call|>[{" and "no <|end|> within 16 tokens" in out[1]["error"]
 
@@ -76,6 +78,9 @@ def test_run_evaluate_cli_writes_the_report(tiny_model_dir: Path, sample_data: d
     out_dir = tmp_path / "report"
     assert predict_mod.run_evaluate_cli(str(tiny_model_dir), str(sample_data["new"]), str(out_dir), 2) == 0
     printed = capsys.readouterr().out
-    assert "| exact_match" in printed and "2 rows in" in printed
-    assert json.loads((out_dir / "metrics.json").read_text())["n"] == 2
+    assert "| exact_match" in printed and "2 rows in" in printed and "rows/s constrained" in printed
+    assert "| free |" in printed.replace("  ", " ") or "free" in printed.splitlines()[0]
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["n"] == 2 and metrics["constrained_valid_call_rate"] is not None
     assert len((out_dir / "examples.jsonl").read_text().splitlines()) == 2
+    assert len((out_dir / "examples_constrained.jsonl").read_text().splitlines()) == 2
