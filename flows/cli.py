@@ -107,8 +107,16 @@ def run_embedded(**params: Any) -> dict[str, Any]:
 def _print_result(result: dict[str, Any], ui_link: Any) -> None:
     uri = redact_uri(result["tracking_uri"])
     print(f"\nMLflow run {result['run_id']} (tracking URI {uri})")
-    version = (result.get("model_version") or {}).get("version")
-    print(f"Tuned model: {result['model_dir']}" + (f"  (registered: models:/needle/{version})" if version else ""))
+    if result.get("skipped"):
+        same = result["same_version"]
+        print(f"Decision: {result['decision']} (same inputs as models:/needle/{same['version']}, alias "
+              f"{same['alias']}; --params '{{\"force\": true}}' retrains)")
+    else:
+        mv = result.get("model_version") or {}
+        version = mv.get("version")
+        print(f"Tuned model: {result['model_dir']}" + (f"  (registered: models:/needle/{version}, alias "
+                                                       f"{mv.get('alias')})" if version else ""))
+        print(f"Decision: {result.get('decision')}")
     if not uri.startswith("http"):
         print(f"Browse it: mlflow ui --backend-store-uri {uri}  then open "
               f"{ui_link(uri, result['experiment_id'], result['run_id'])}")

@@ -18,10 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from flows.paths import resolve_source
 from needle.config import DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from needle.config import preset_names, training_configs
+from needle.gate import DEFAULT_GATE, GateRule
 from needle.pipeline import AutoBase, model_config
 
 SAMPLE_NEW = "data/sample/new.jsonl"
 SAMPLE_BASE = "data/sample/base.jsonl"
+# Fields that do not change the model a run trains: left out of its inputs key (train_key).
+# (The base enters the key by content: needle.lineage.base_fingerprint.)
+NOT_TRAINING = {"data", "base_data", "base_model", "eval", "register_model", "force", "gate_data", "gate"}
 
 
 class FinetuneParams(BaseModel):
@@ -29,7 +33,9 @@ class FinetuneParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    data: str = Field(SAMPLE_NEW, description="JSONL path, glob or hub id of the rows to fine-tune on")
+    data: str = Field(
+        SAMPLE_NEW, description="rows to fine-tune on: a JSONL file, a folder of them (a landing folder), a glob, "
+                                "or a hub id owner/name[@revision]")
     base_model: str = Field(
         "auto", description="exported base model directory, or 'auto': train one (mode scratch) on base_data, once"
     )
@@ -51,6 +57,9 @@ class FinetuneParams(BaseModel):
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="generation-based evaluation settings")
     register_model: bool = Field(True, description="create a model version in the MLflow registry")
+    force: bool = Field(False, description="retrain even when data, base and config equal the champion's")
+    gate_data: str = Field(DEFAULT_GATE, description="the fixed gate set champion and challenger are scored on")
+    gate: GateRule = Field(default_factory=GateRule, description="the promotion rule and its thresholds")
 
     @field_validator("preset")
     @classmethod
@@ -75,6 +84,10 @@ class FinetuneParams(BaseModel):
         """How rows of ``source`` are prepared for a model of ``model_cfg``."""
         max_len = self.max_len or model_cfg.max_len
         return DataConfig(source=resolve_source(source), max_len=max_len, on_error=self.on_error)
+
+    def training_identity(self) -> dict[str, Any]:
+        """The parameters that decide the trained model besides data and base (for train_key)."""
+        return self.model_dump(mode="json", exclude=NOT_TRAINING)
 
     def auto_base(self) -> AutoBase:
         """The 'auto' base: scratch on base_data, the same shortcuts but its own step count."""

@@ -8,7 +8,7 @@ functions, so there is one path from a JSONL file to a registered model::
     prepared = prepare_data(data_cfg, source, tokenizer=base.tokenizer, cache_dir=...)
     trained  = train(prepared, base.model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=...)
     report   = evaluate(base, trained.model_dir, prepared, eval_cfg, out_dir)
-    decision = decide_registration(report.tuned, champion_metrics)
+    gate     = score_models({"challenger": trained.model_dir, "champion": champion_dir}, gate_rows, eval_cfg, out)
 
 Stages take configs and earlier stages' results and return frozen dataclasses; they write only
 under the directories they are given and report through a ``Tracker``. Nothing here imports
@@ -42,7 +42,7 @@ from needle.train.finetune import run_training
 __all__ = [
     "AutoBase", "Base", "Evaluation", "LoadedSource", "PreparedSet", "Registration", "Trained",
     "load_data", "obtain_base", "prepare_data", "train", "evaluate", "decide_registration",
-    "model_config", "config_digest", "replay_record",
+    "model_config", "config_digest", "replay_record", "auto_base_key", "score_models",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,13 @@ def config_digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def auto_base_key(auto: AutoBase, data_digest: str) -> str:
+    """What names an auto base: its rows' content digest and its configs (the cache folder's name)."""
+    data_key = auto.data.model_dump(mode="json", exclude={"source"})
+    configs = [c.model_dump(mode="json") for c in (auto.model, auto.train, auto.optim)]
+    return config_digest(data_digest, data_key, *configs)
+
+
 def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
     """Train the auto base once per (data bytes, configs); reuse and replay it afterwards.
 
@@ -208,9 +215,7 @@ def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
     flow on the same state dir) wait for the first to finish, then reuse what it built.
     """
     source = load_data(auto.data.source, auto.data.on_error)
-    data_key = auto.data.model_dump(mode="json", exclude={"source"})
-    configs = [c.model_dump(mode="json") for c in (auto.model, auto.train, auto.optim)]
-    base_dir = state / "base" / config_digest(source.digest, data_key, *configs)
+    base_dir = state / "base" / auto_base_key(auto, source.digest)
     marker = base_dir / _BASE_RECORD
     with build_lock(base_dir, "auto base"):
         cached = _cached_base(marker, tracker)
@@ -299,6 +304,22 @@ def evaluate(
     comparison = compare(results["base"], results["tuned"])
     (out / "comparison.json").write_text(json.dumps(comparison, indent=2, sort_keys=True) + "\n")
     return Evaluation(out, comparison, summary_of(results["base"]), summary_of(results["tuned"]))
+
+
+def score_models(
+    models: dict[str, str | LoadedModel], rows: LoadedSource | Any, cfg: EvalConfig, out_dir: str | Path
+) -> dict[str, dict[str, Any]]:
+    """Score each named model on the same rows (a loaded source, or a prepared split, which adds
+    the validation loss) with the same decoding settings (``cfg``): the gate's champion and
+    challenger, a sweep's trial. Reports under ``out_dir/<name>``; returns each model's summary
+    metrics."""
+    split = rows.rows if isinstance(rows, LoadedSource) else rows
+    scores = {}
+    for name, model in models.items():
+        result = evaluate_model(model, split, cfg)
+        write_report(result, Path(out_dir) / name)
+        scores[name] = summary_of(result)
+    return scores
 
 
 def model_config(preset: str | None) -> ModelConfig:

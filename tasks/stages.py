@@ -17,7 +17,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.states import State
 
-from needle import pipeline, registry
+from needle import gate as gating
+from needle import lineage, pipeline, registry
 from needle.config import DataConfig, EvalConfig, LoraConfig, OptimConfig, TrainConfig
 from needle.errors import NeedleError
 from needle.tracking import Tracker
@@ -74,10 +75,47 @@ def export(model_dir: str, out_dir: Path) -> dict[str, Path]:
     return export_run_model(model_dir, out_dir)
 
 
+@task(name="fingerprint", cache_policy=NO_CACHE)
+def fingerprint(data: str, on_error: str, base_spec: str, auto: pipeline.AutoBase, config: dict[str, Any]) -> dict[str, str]:
+    """The run's inputs by content, before anything is loaded: data digest, base, config, train_key."""
+    data_digest = lineage.data_digest(data, on_error)
+    base = lineage.base_fingerprint(base_spec, auto)
+    config_key = pipeline.config_digest(config)
+    return {"data_digest": data_digest, **base, "config_key": config_key,
+            registry.TRAIN_KEY: lineage.inputs_key(data_digest, base["base_key"], config)}
+
+
+@task(name="unchanged", cache_policy=NO_CACHE)
+def unchanged(tracking_uri: str, train_key: str) -> Optional[dict[str, str]]:
+    """The champion (or last challenger) already trained from these inputs, if any."""
+    found = registry.unchanged_version(tracking_uri, train_key)
+    if found is None:
+        return None
+    alias, mv = found
+    return {"alias": alias, "version": str(mv.version), "run_id": mv.run_id}
+
+
+@task(name="champion", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def champion(tracking_uri: str, cache_dir: Path) -> Optional[tuple[str, str]]:
+    """``(version, local model dir)`` of the current champion (downloaded once), or None."""
+    mv = registry.alias_version(tracking_uri, registry.CHAMPION)
+    if mv is None:
+        return None
+    return str(mv.version), registry.resolve_model_dir(f"models:/{registry.MODEL_NAME}/{mv.version}", cache_dir)
+
+
+@task(name="gate", cache_policy=NO_CACHE)
+def gate(challenger_dir: str, champion: Optional[tuple[str, str]], gate_rows: pipeline.LoadedSource, cfg: EvalConfig,
+         rule: gating.GateRule, out_dir: Path) -> gating.GateOutcome:
+    """Score challenger and champion on the gate set with the same settings; apply the rule."""
+    return gating.run_gate(challenger_dir, champion, gate_rows, cfg, rule, out_dir)
+
+
 @task(name="register", cache_policy=NO_CACHE)
-def register(run_id: str, tracking_uri: str, metrics: dict[str, Any]) -> dict[str, Any]:
-    """A new version of registered model `needle`; alias `champion` moves to it if no worse."""
-    return registry.register_version(run_id, tracking_uri, metrics)
+def register(run_id: str, tracking_uri: str, tags: dict[str, Any], outcome: gating.GateOutcome) -> dict[str, Any]:
+    """A new version of registered model `needle`: alias `champion` if it passed the gate, else `challenger`."""
+    return registry.register_version(run_id, tracking_uri, tags, outcome.decision.promote,
+                                     champion_version=outcome.champion_version, champion_tags=outcome.champion_tags())
 
 
 @task(name="probe", cache_policy=NO_CACHE)
