@@ -36,7 +36,8 @@ def _env(state: Path) -> dict[str, str]:
 
 
 def _checkpoints(state: Path) -> list[int]:
-    return sorted(int(p.parent.name) for p in state.glob("finetune/*/checkpoints/*/needle_checksums.json"))
+    found = state.glob("finetune/*/checkpoints/*/needle_checksums.json")
+    return sorted(int(p.parent.name) for p in found if p.parent.name.isdigit())  # not orbax tmp dirs
 
 
 def test_killed_embedded_flow_is_cleaned_up_and_resumed(sample_data: dict[str, Path], tmp_path: Path) -> None:

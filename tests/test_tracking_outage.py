@@ -167,3 +167,37 @@ def test_full_buffer_spills_oldest_and_keeps_the_newest(tmp_path: Path) -> None:
     assert [int(line.split('"step": ')[1].rstrip("}")) for line in lines] == [0, 1]
     tracker.finish()
     assert len((tmp_path / f"{'r' * 32}.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.slow
+def test_flow_trains_through_an_outage(server: MlflowServer, sample_data: dict[str, Path], tmp_path: Path) -> None:
+    """The embedded flow with MLflow killed mid fine-tune and back later: exit 0, every step's loss."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_killed_flow import _checkpoints, _command, _env
+
+    state = tmp_path / "state"
+    env = {**_env(state), "MLFLOW_TRACKING_URI": server.uri}
+    proc = subprocess.Popen(_command(sample_data), cwd=Path(__file__).resolve().parents[1], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_for_checkpoint(step: int) -> None:
+        deadline = time.monotonic() + 600
+        while not _checkpoints(state) or _checkpoints(state)[-1] < step:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended early"
+            time.sleep(0.1)
+
+    wait_for_checkpoint(10)
+    server.kill()
+    wait_for_checkpoint(40)  # training and checkpoints go on without MLflow
+    server.start()
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    assert "is unreachable" in out and "is back after" in out
+    client = MlflowClient(tracking_uri=server.uri)
+    run = client.search_runs([client.get_experiment_by_name("needle-local").experiment_id])[0]
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 151))
+    assert json.loads(json.dumps(run.data.metrics))["tuned_exact_match"] >= 0.0
