@@ -57,7 +57,9 @@ def prepare(jsonl: Path, tok: Any, max_len: int = 256, val_fraction: float = 0.1
     from needle.config import DataConfig
     from needle.data.prepare import prepare_dataset
 
-    cfg = DataConfig(source=str(jsonl), max_len=max_len, val_fraction=val_fraction, test_fraction=test_fraction)
+    # Over-long rows are dropped (and counted in the stats), as a user would run these data.
+    cfg = DataConfig(source=str(jsonl), max_len=max_len, val_fraction=val_fraction, test_fraction=test_fraction,
+                     on_error="drop")
     return prepare_dataset(cfg, tok)
 
 

@@ -13,6 +13,8 @@ TARGETS: dict[str, tuple[float, str]] = {
     "needle_style.speedup": (1.3, ">="),
     "cactus.step_throughput_ratio": (2.0, ">="),
     "cactus.wall_ratio": (4.0, ">="),
+    "train.small_lora.packing_efficiency": (0.95, ">="),
+    "train.small_lora.compiled_shapes": (1, "<="),
     "compile.warm_over_cold": (0.20, "<="),
     "pipeline.mlflow_logging_share": (0.01, "<="),
     "pipeline.flow_overhead_ratio": (0.10, "<="),
@@ -56,7 +58,7 @@ def format_table(result: dict[str, Any]) -> str:
         f", bf16 {_fmt(peak['bf16']['gflops'])} GFLOP/s" if isinstance(peak.get("bf16"), dict) else ""))
     lines.append("")
     lines.append(f"{'config':<14}{'step s':>9}{'tok/s pad':>11}{'tok/s real':>11}{'MFLOP/tok':>11}"
-                 f"{'GFLOP/s':>9}{'util':>7}{'in-wait':>8}")
+                 f"{'GFLOP/s':>9}{'util':>7}{'in-wait':>8}{'T':>6}{'packed':>8}{'shapes':>7}")
     for key, r in result.get("train", {}).items():
         if not isinstance(r, dict) or r.get("status") != "ok":
             lines.append(f"{key:<14}{(r or {}).get('status', '-')}: {(r or {}).get('error', '')[:60]}")
@@ -64,7 +66,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{key:<14}{_fmt(r['step_s'], '.3f'):>9}{_fmt(r['padded_tokens_per_s'], ',.0f'):>11}"
                      f"{_fmt(r['real_tokens_per_s'], ',.0f'):>11}{_fmt(r['flops_per_token']['total'] / 1e6, '.2f'):>11}"
                      f"{_fmt(r['achieved_gflops']):>9}{_fmt(100 * (r.get('utilisation') or 0), '.0f'):>6}%"
-                     f"{_fmt(100 * r['input_wait_share'], '.1f'):>7}%")
+                     f"{_fmt(100 * r['input_wait_share'], '.1f'):>7}%"
+                     f"{','.join(str(t) for t in r.get('seq_lens', [])):>6}{_fmt(r.get('packing_efficiency'), '.3f'):>8}"
+                     f"{_fmt(r.get('compiled_shapes'), 'd'):>7}")
     comp = result.get("compile", {})
     if comp.get("status") == "ok":
         lines.append(f"compile (first step): cold {_fmt(comp['cold']['first_step_s'])} s, warm "

@@ -1,7 +1,13 @@
 """Time the library's ``train_step`` on real batches: step time, tokens/s, FLOPs, input wait.
 
 The step is the library's own (``needle.train.step.train_step`` jitted with the state donated,
-exactly as ``needle.train.loop`` does); batches come from ``BatchPlan`` over prepared data.
+exactly as ``needle.train.loop`` does); batches come from the library's own plan
+(``needle.train.finetune.make_plans``: packed sequences of one length, unless ``packing=False``).
+
+FLOPs are *useful model* FLOPs: real (non-padding) tokens only, and attention over each token's
+own row (a packed row attends within its segment: the effective attention length is
+``sum(n_i^2) / sum(n_i)`` over the rows ``i`` of a batch), so padding and the cross-row blocks of
+a packed sequence's score matrix are never counted as work.
 Steps are dispatched asynchronously and the host blocks once at the end of a timed window.
 
 Input wait is measured as the difference between two timed windows of the same length: one
@@ -55,9 +61,19 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
 
 
 def batch_tokens(batch: dict[str, np.ndarray], pad_id: int) -> tuple[int, int]:
-    """(padded tokens B*T, real tokens = non-pad input positions) of one batch."""
+    """(padded tokens B*T, real tokens = row positions) of one batch."""
     inputs = np.asarray(batch["inputs"])
+    if "segment_ids" in batch:
+        return int(inputs.size), int((np.asarray(batch["segment_ids"]) > 0).sum())
     return int(inputs.size), int((inputs != pad_id).sum())
+
+
+def row_lengths(batch: dict[str, np.ndarray], pad_id: int) -> list[int]:
+    """Lengths (positions) of the rows in one batch, packed or one per sequence."""
+    if "segment_ids" in batch:
+        seg = np.asarray(batch["segment_ids"])
+        return [int(n) for r in seg for n in np.bincount(r)[1:] if n]
+    return [int(n) for n in (np.asarray(batch["inputs"]) != pad_id).sum(axis=1) if n]
 
 
 def run_window(state: Any, plan: Any, first: int, n: int, prebuilt: list | None = None) -> tuple[Any, float, float]:
@@ -73,15 +89,23 @@ def run_window(state: Any, plan: Any, first: int, n: int, prebuilt: list | None 
     return state, wall, float(metrics["loss"]) if metrics is not None else float("nan")
 
 
+def make_plan(prepared: Any, tok: Any, model_cfg: Any, mode: str, batch_size: int, packing: bool = True) -> Any:
+    """The training plan the library builds for these data (``make_plans``)."""
+    from needle.config import TrainConfig
+    from needle.train.finetune import make_plans
+
+    train_cfg = TrainConfig(mode=mode, batch_size=batch_size, packing=packing, compilation_cache_dir=None)
+    return make_plans(prepared, train_cfg, model_cfg.max_len, tok.pad_id, model_cfg)[0]
+
+
 def measure_train(preset: str, mode: str, prepared: Any, tok: Any, *, steps: int = 20, batch_size: int = 16,
-                  warmup: int = 3, lora_rank: int = 16) -> dict[str, Any]:
+                  warmup: int = 3, lora_rank: int = 16, packing: bool = True) -> dict[str, Any]:
     """Compile, warm up, then time ``steps`` steps twice (host-built vs prebuilt batches)."""
-    from needle.data.batching import BatchPlan
     from needle.model.lora import count_params
 
     total = warmup + 2 * steps
     state, model_cfg = build_state(preset, mode, tok, total, batch_size, lora_rank)
-    plan = BatchPlan(prepared.splits["train"], batch_size, model_cfg.max_len, 0, tok.pad_id)
+    plan = make_plan(prepared, tok, model_cfg, mode, batch_size, packing)
     # LoRA splits the tree in two halves with disjoint leaves; count both and add.
     a, b = count_matmul_params(state.trainable), count_matmul_params(state.frozen)
     counts = {"n_mat": a["n_mat"] + b["n_mat"], "n_lora": a["n_lora"] + b["n_lora"]}
@@ -113,11 +137,14 @@ def measure_train(preset: str, mode: str, prepared: Any, tok: Any, *, steps: int
 
     step_s = wall_a / steps
     mean_t = padded / (batch_size * steps)
+    rows = np.array([n for b in host_built for n in row_lengths(b, tok.pad_id)], dtype=np.float64)
+    attn_len = float((rows**2).sum() / rows.sum())  # a token attends over its own row
     fl = flops_per_token(counts["n_mat"], counts["n_lora"], model_cfg.n_layers, model_cfg.d_model,
-                         model_cfg.vocab_size, int(round(mean_t)), mode)
+                         model_cfg.vocab_size, int(round(attn_len)), mode)
     return {
         "preset": preset, "mode": mode, "batch_size": batch_size, "steps_timed": steps,
-        "seq_lens": seq_lens, "mean_seq_len": mean_t,
+        "packing": packing, "packing_efficiency": getattr(plan, "efficiency", None),
+        "seq_lens": seq_lens, "mean_seq_len": mean_t, "attention_len": attn_len,
         "first_step_s": first_s, "warmup_s": warm_s, "compiled_shapes": len(seen),
         "step_s": step_s, "step_s_prebuilt": wall_b / steps,
         "padded_tokens_per_s": padded / wall_a, "real_tokens_per_s": real / wall_a,
@@ -125,7 +152,7 @@ def measure_train(preset: str, mode: str, prepared: Any, tok: Any, *, steps: int
         "n_mat": counts["n_mat"], "n_lora": counts["n_lora"],
         "n_params_total": count_params(state.trainable) + count_params(state.frozen),
         "n_params_trainable": count_params(state.trainable),
-        "flops_per_token": fl, "achieved_gflops": fl["total"] * padded / wall_a / 1e9,
+        "flops_per_token": fl, "achieved_gflops": fl["total"] * real / wall_a / 1e9,
         "host_batch_s": host_batch_s,
         "input_wait_share": max(0.0, wall_a - wall_b) / wall_a,
         "loss": loss,

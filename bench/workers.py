@@ -40,7 +40,8 @@ def task_train(spec: dict[str, Any]) -> dict[str, Any]:
 
     _, tok, prepared = _inputs(spec)
     return measure_train(spec["preset"], spec["mode"], prepared, tok, steps=spec.get("steps", 20),
-                         batch_size=spec.get("batch_size", 16), warmup=spec.get("warmup", 3))
+                         batch_size=spec.get("batch_size", 16), warmup=spec.get("warmup", 3),
+                         packing=spec.get("packing", True))
 
 
 def task_compile(spec: dict[str, Any]) -> dict[str, Any]:
@@ -53,10 +54,10 @@ def task_compile(spec: dict[str, Any]) -> dict[str, Any]:
 
     enable_compilation_cache(spec["cache_dir"])
     _, tok, prepared = _inputs(spec)
-    from needle.data.batching import BatchPlan
+    from bench.steps import make_plan
 
     state, model_cfg = build_state(spec["preset"], spec["mode"], tok, 10, spec.get("batch_size", 16))
-    plan = BatchPlan(prepared.splits["train"], spec.get("batch_size", 16), model_cfg.max_len, 0, tok.pad_id)
+    plan = make_plan(prepared, tok, model_cfg, spec["mode"], spec.get("batch_size", 16))
     batch = plan.batch(0)
     t0 = time.perf_counter()
     state, metrics = jitted_train_step()(state, batch)
@@ -70,16 +71,15 @@ def task_devices(spec: dict[str, Any]) -> dict[str, Any]:
     """The library loop on a data-parallel mesh over every (virtual) device of this process."""
     import jax
     from needle.config import TrainConfig
-    from needle.data.batching import BatchPlan
     from needle.train.loop import train
     from needle.train.sharding import make_mesh
 
-    from bench.steps import build_state
+    from bench.steps import build_state, make_plan
 
     _, tok, prepared = _inputs(spec)
     steps, batch = spec.get("steps", 12), spec.get("batch_size", 16)
     state, model_cfg = build_state(spec["preset"], spec["mode"], tok, steps, batch)
-    plan = BatchPlan(prepared.splits["train"], batch, model_cfg.max_len, 0, tok.pad_id)
+    plan = make_plan(prepared, tok, model_cfg, spec["mode"], batch)
     cfg = TrainConfig(mode=spec["mode"], steps=steps, batch_size=batch, log_every=max(1, steps // 3),
                       compilation_cache_dir=None)
     result = train(state, plan, cfg, mesh=make_mesh(), progress=False)

@@ -150,8 +150,16 @@ class TrainConfig(_Strict):
         "lora", description="lora: adapters on a frozen base; full: all weights from a base; scratch: random init"
     )
     steps: int = Field(200, gt=0, description="optimizer steps")
-    batch_size: int = Field(16, gt=0, description="sequences per optimizer step (global, all devices)")
+    batch_size: int = Field(16, gt=0, description="sequences per optimizer step (global, all devices); packed, each holds several rows")
     grad_accum: int = Field(1, gt=0, description="micro-batches per step; batch_size must divide by it")
+    packing: bool = Field(
+        True, description="pack several whole rows into each sequence (segment ids: attention and RoPE positions "
+        "per row); False: one row per sequence, padded to a length bucket"
+    )
+    seq_len: int | None = Field(
+        None, gt=8, description="packed sequence length, one per run (None: chosen from the training rows, between the "
+        "longest row and 2 * max_len, for the least compute per real token); rows stay <= max_len"
+    )
     seed: int = Field(0, description="seed for init, shuffling and any sampling")
     log_every: int = Field(10, gt=0, description="fetch metrics from the device every N steps")
     eval_every: int = Field(0, ge=0, description="validation loss every N steps (0: only at the end)")
@@ -172,15 +180,15 @@ class DataConfig(_Strict):
     """Where the tool-calling rows come from and how they become fixed-shape batches."""
 
     source: str = Field(..., description="JSONL path, glob, or a Hugging Face hub dataset id")
-    max_len: int = Field(256, gt=8, description="longest tokenized row; longer rows are counted and truncated")
+    max_len: int = Field(
+        256, gt=8, description="longest tokenized row; a longer row is refused with file:line (or dropped and counted "
+        "under on_error='drop'), never cut; raise it up to the model's context"
+    )
     val_fraction: float = Field(0.1, ge=0, lt=1, description="share of rows held out for validation")
     test_fraction: float = Field(0.1, ge=0, lt=1, description="share of rows held out for the test split")
     split_seed: int = Field(0, description="seed of the deterministic train/val/test split")
     on_error: Literal["fail", "drop"] = Field(
-        "fail", description="fail on the first bad rows (file:line), or drop them and report how many and why"
-    )
-    on_truncate: Literal["fail", "truncate"] = Field(
-        "truncate", description="rows longer than max_len: truncate (counted and reported) or fail"
+        "fail", description="fail on the first bad or over-long rows (file:line), or drop them and report how many and why"
     )
 
 

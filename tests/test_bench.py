@@ -38,6 +38,23 @@ def test_targets_pass_miss_and_unmeasured() -> None:
     assert verdicts["cactus.wall_ratio"] == "n/a"
 
 
+def test_packed_batches_count_real_tokens_and_rows_by_segment() -> None:
+    import numpy as np
+
+    from bench.steps import batch_tokens, row_lengths
+
+    seg = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], dtype=np.int32)
+    packed = {"inputs": np.where(seg > 0, 7, 0).astype(np.int32), "segment_ids": seg}
+    assert batch_tokens(packed, pad_id=0) == (12, 11)
+    assert sorted(row_lengths(packed, pad_id=0)) == [2, 3, 6]
+    plain = {"inputs": np.array([[5, 5, 0], [5, 0, 0]], dtype=np.int32)}
+    assert batch_tokens(plain, pad_id=0) == (6, 3) and row_lengths(plain, pad_id=0) == [2, 1]
+    verdicts = {t["name"]: t["verdict"] for t in evaluate_targets(
+        {"train": {"small_lora": {"packing_efficiency": 0.97, "compiled_shapes": 1}}})}
+    assert verdicts["train.small_lora.packing_efficiency"] == "pass"
+    assert verdicts["train.small_lora.compiled_shapes"] == "pass"
+
+
 @pytest.mark.slow
 def test_quick_run_writes_documented_keys(tmp_path: Path) -> None:
     out = tmp_path / "latest.json"

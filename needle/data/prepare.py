@@ -3,8 +3,10 @@
 The split is a seeded permutation (``DataConfig.split_seed``), so the same input and config
 always give the same splits. The fingerprint hashes everything that decides the prepared
 tensors: raw input bytes, template, tokenizer, split seed and fractions, ``max_len``.
-Rows longer than ``max_len`` are truncated and counted (``on_truncate="truncate"``) or
-rejected with their file:line (``"fail"``); nothing is dropped or cut silently.
+A row longer than ``max_len`` tokens is never cut (a cut row would train on a cut answer): it
+is refused with its file:line and length (``on_error="fail"``, the default), or dropped and
+counted under its reason (``on_error="drop"``). Raise ``max_len`` (up to the model's context)
+to keep such rows.
 
     data = prepare_dataset(DataConfig(source="data/sample/base.jsonl"), tokenizer)
     data.save("out/prepared"); data = PreparedData.load("out/prepared")
@@ -41,6 +43,7 @@ SPLITS = ("train", "val", "test")
 META_FILE = "meta.json"
 TOKENIZER_SUBDIR = "tokenizer"
 _DONE = "prepared.ok"
+_NO_LIMIT = 1 << 30  # encode without cutting; over-long rows are refused or dropped, not truncated
 FEATURES = datasets.Features(
     {
         "ids": datasets.List(datasets.Value("int32")),
@@ -165,30 +168,30 @@ def prepare_dataset(cfg: DataConfig, tokenizer: Tokenizer) -> PreparedData:
     return prepare_rows(load_source(cfg.source, cfg.on_error), cfg, tokenizer)
 
 
-def _check_truncation(rows: list[Row], examples: list[Example], cfg: DataConfig) -> list[Row]:
-    """The truncated rows: refused with file:line (``on_truncate="fail"``) or logged."""
-    truncated = [r for r, ex in zip(rows, examples) if ex.truncated]
-    if truncated and cfg.on_truncate == "fail":
-        issues = [DataIssue(*split_source(r.source), f"row is longer than max_len={cfg.max_len} tokens") for r in truncated]
-        raise DataError(issues)
-    if truncated:
-        log.warning("%d of %d rows exceed max_len=%d tokens and were truncated (first: %s)",
-                    len(truncated), len(rows), cfg.max_len, truncated[0].source)  # fmt: skip
-    return truncated
+def overlong_reason(n_tokens: int, max_len: int) -> str:
+    """The file:line reason of a row over ``max_len`` (its kind, before the colon, is what drop counts)."""
+    return (f"row longer than max_len: {n_tokens} tokens > max_len={max_len} (raise max_len, up to the "
+            "model's context, or drop such rows with on_error=drop)")  # fmt: skip
 
 
 def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fmt: ChatFormat) -> tuple[list[Row], list[Example], list[DataIssue]]:
-    """Render and tokenize every row; a row the chat template refuses is a file:line issue."""
+    """Render and tokenize every row; a row the chat template refuses, or one longer than
+    ``max_len`` tokens, is a file:line issue (raised under ``on_error="fail"``, else dropped)."""
     from needle.data.chat import ChatTemplateError
 
     rows, examples, refused = [], [], []
     for row in loaded.rows:
         try:
-            examples.append(fmt.encode_example(row, tokenizer, cfg.max_len))
+            # Encoded whole (no cut) so an over-long row is refused with its real length.
+            ex = fmt.encode_example(row, tokenizer, _NO_LIMIT)
         except ChatTemplateError as e:
             refused.append(DataIssue(*split_source(row.source), f"chat template refused the row: {e}"))
             continue
+        if len(ex.ids) > cfg.max_len:
+            refused.append(DataIssue(*split_source(row.source), overlong_reason(len(ex.ids), cfg.max_len)))
+            continue
         rows.append(row)
+        examples.append(ex)
     if refused and cfg.on_error == "fail":
         raise DataError(refused)
     return rows, examples, refused
@@ -205,7 +208,6 @@ def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) ->
     fmt = format_for(tokenizer)
     rows, examples, refused = _encode_rows(loaded, cfg, tokenizer, fmt)
     issues = [*loaded.issues, *refused]
-    truncated = _check_truncation(rows, examples, cfg)
     parts = split_indices(len(rows), cfg)
     splits: dict[str, datasets.Dataset] = {}
     tokens: dict[str, dict[str, int]] = {}
@@ -223,8 +225,8 @@ def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) ->
         "dropped": len(issues),
         "dropped_reasons": dict(Counter(_issue_kind(i.reason) for i in issues)),
         "dropped_examples": [str(i) for i in issues[:20]],
-        "truncated": len(truncated),
-        "truncated_rows": [r.source for r in truncated[:20]],
+        "too_long": sum(i.reason.startswith("row longer than max_len") for i in refused),
+        "truncated": 0,  # over-long rows are refused or dropped, never cut
         "tokens": tokens,
         "length": _length_stats([len(ex.ids) for ex in examples]),
         "max_len": cfg.max_len,

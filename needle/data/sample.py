@@ -2,8 +2,9 @@
 
 A catalogue of typed tools (string, integer, number, boolean and enum parameters), each with
 several query phrasings. Rows are single calls, two-call requests ("turn on the lights and
-set a timer for 5 minutes"), and about 1 in 8 off-topic queries (chit-chat, or a request for
-a tool that is not offered) whose answer is ``[]``. Argument values are copied verbatim from
+set a timer for 5 minutes"), and about 1 in 5 off-topic queries whose answer is ``[]``: a third
+chit-chat, two thirds a request for a tool that is not offered (the same phrasings that call
+the tool when it is on offer, so the model learns to read the tool list, not only the query). Argument values are copied verbatim from
 the query. Every row offers 3-5 tools (the needed ones plus distractors), so the model must
 pick. ``BASE_TOOLS`` train the base model; ``NEW_TOOLS`` are held out for fine-tuning.
 
@@ -235,6 +236,9 @@ OFF_TOPIC = (
     "Who painted the Mona Lisa?", "Thanks, that's all", "What's your favourite colour?", "Explain black holes simply",
     "hello there", "Can you keep a secret?", "Why is the sky blue?", "Recommend a good book",
 )  # fmt: skip
+# Share of rows whose answer is []; 1 in 8 (half of them chit-chat) left the tuned model calling
+# tools that were not offered on 38 % of such held-out rows.
+OFF_TOPIC_RATE = 0.2
 JOINERS = ("{a} and {b}", "{a}, then {b}", "{a}. Also {b}", "{a} and after that {b}")
 
 
@@ -258,11 +262,14 @@ def _fill(tool: Tool, rng: random.Random) -> tuple[str, dict[str, Value], str]:
     return template.format(**values), args, template
 
 
-def _join(first: str, second: str, template_second: str, rng: random.Random) -> str:
-    # Lower-case the second clause only when it starts with plain wording, never a value.
+def _join(first: str, template_first: str, second: str, template_second: str, rng: random.Random) -> str:
+    # Lower-case the second clause only when it starts with plain wording, never a value; drop
+    # the first clause's final punctuation only when it is the template's, never a value's ("happy birthday!").
     if not template_second.startswith("{") and not second.startswith("I "):
         second = second[0].lower() + second[1:]
-    return rng.choice(JOINERS).format(a=first.rstrip("?.!"), b=second)
+    if not template_first.endswith("}"):
+        first = first.rstrip("?.!")
+    return rng.choice(JOINERS).format(a=first, b=second)
 
 
 def _offer(needed: list[Tool], pool: tuple[Tool, ...], rng: random.Random, exclude: Tool | None = None) -> list[dict[str, Any]]:
@@ -285,20 +292,20 @@ def _offer(needed: list[Tool], pool: tuple[Tool, ...], rng: random.Random, exclu
 def _make_row(pool: tuple[Tool, ...], offered: tuple[Tool, ...], rng: random.Random) -> dict[str, Any]:
     """One row whose calls use ``pool`` and whose distractors come from ``offered``."""
     roll = rng.random()
-    if roll < 0.125:  # off-topic: chit-chat, or a request for a tool that is not on offer
-        if rng.random() < 0.5:
+    if roll < OFF_TOPIC_RATE:  # off-topic: chit-chat, or a request for a tool that is not on offer
+        if rng.random() < 1 / 3:
             return {"query": rng.choice(OFF_TOPIC), "tools": _offer([], offered, rng), "answers": []}
         missing = rng.choice(pool)
         query = _fill(missing, rng)[0]
         return {"query": query, "tools": _offer([], offered, rng, exclude=missing), "answers": []}
-    if roll < 0.35:  # two calls in one request
+    if roll < OFF_TOPIC_RATE + 0.2:  # two calls in one request
         # In the new part the second call may use any tool: new and familiar tools mix.
         a = rng.choice(pool)
         b = rng.choice([t for t in offered if t is not a])
-        qa, args_a, _ = _fill(a, rng)
+        qa, args_a, ta = _fill(a, rng)
         qb, args_b, tb = _fill(b, rng)
         answers = [{"name": a.name, "arguments": args_a}, {"name": b.name, "arguments": args_b}]
-        return {"query": _join(qa, qb, tb, rng), "tools": _offer([a, b], offered, rng), "answers": answers}
+        return {"query": _join(qa, ta, qb, tb, rng), "tools": _offer([a, b], offered, rng), "answers": answers}
     tool = rng.choice(pool)
     query, args, _ = _fill(tool, rng)
     return {"query": query, "tools": _offer([tool], offered, rng), "answers": [{"name": tool.name, "arguments": args}]}

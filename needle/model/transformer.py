@@ -54,6 +54,13 @@ Positions must stay below the cache's ``max_len``: out-of-range writes are dropp
 error is possible inside jit), so the decoder must cap ``n_b + max_new_tokens`` at ``max_len``.
 Without ``decode`` the model is plain causal attention over the given tokens (right padding
 after the real tokens therefore never affects them); ``positions`` only feed RoPE.
+
+Packed sequences (training)
+---------------------------
+``segment_ids[B, T]`` (int, without ``decode``) packs several rows into one sequence: a token
+attends only to earlier tokens of its own segment (equal id; padding shares id 0 and attends
+to padding only), sliding windows included, and the caller restarts ``positions`` at 0 for
+each row, so every packed row computes exactly the logits it would alone.
 """
 
 from __future__ import annotations
@@ -202,7 +209,7 @@ class Attention(_Layer):
     layer_type: str = "full_attention"
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         b, t, _ = x.shape
         hd = cfg.head_dim
@@ -222,22 +229,32 @@ class Attention(_Layer):
             if self.decode:  # model.init(..., decode=True): only lay the cache out.
                 self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
                 self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-            out = self._attend(q, k, v, causal_window=window)
+            seg_mask = None
+            if segment_ids is not None:  # packed rows: attend within the row only
+                seg_mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # [B, 1, T, T]
+            out = self._attend(q, k, v, causal_window=window, segment_mask=seg_mask)
         return self.proj("o_proj", cfg.d_model, cfg.o_bias)(out.reshape(b, t, cfg.n_heads * hd))
 
     def _attend(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, causal_window: int | None = None
-    ) -> jax.Array:
-        """Causal attention (``mask is None``) or attention under an explicit ``mask`` (decoding)."""
+        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, causal_window: int | None = None,
+        segment_mask: jax.Array | None = None,
+    ) -> jax.Array:  # fmt: skip
+        """Causal attention (``mask is None``), restricted to ``segment_mask`` (packed rows) when
+        given, or attention under an explicit ``mask`` (decoding)."""
         cfg = self.cfg
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         if cfg.attn_softcap is not None:
-            return _softcapped_attention(q, k, v, mask, causal_window, scale, cfg.attn_softcap)
+            return _softcapped_attention(q, k, v, mask, causal_window, scale, cfg.attn_softcap, segment_mask)
         if mask is not None:
             # Decode shapes are tiny and need a per-row mask: the plain XLA path is fine.
             return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
         # A window of W positions, self included, reaches W - 1 positions back.
         local = None if causal_window is None else (causal_window - 1, 0)
+        if segment_mask is not None:
+            # The segment mask combines with the causal and window masks (XLA path).
+            return jax.nn.dot_product_attention(
+                q, k, v, mask=segment_mask, scale=scale, is_causal=True, local_window_size=local
+            )
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=self._implementation(q)
         )
@@ -270,7 +287,7 @@ class Attention(_Layer):
 
 def _softcapped_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, window: int | None, scale: float | None,
-    softcap: float,
+    softcap: float, segment_mask: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
     """Attention with ``softcap * tanh(logits / softcap)`` before the mask (Gemma 2 style), in float32.
 
@@ -287,6 +304,8 @@ def _softcapped_attention(
         rel = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
         mask = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
         mask = mask[None, None]
+        if segment_mask is not None:
+            mask = mask & segment_mask
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bhts,bshd->bthd", probs, v)
@@ -310,9 +329,10 @@ class Block(_Layer):
     layer_type: str = "full_attention"
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg, s = self.cfg, self.settings
-        h = Attention(cfg, self.lora, s, self.decode, self.layer_type, name="attn")(self.norm("attn_norm")(x), positions)
+        attn = Attention(cfg, self.lora, s, self.decode, self.layer_type, name="attn")
+        h = attn(self.norm("attn_norm")(x), positions, segment_ids)
         if cfg.post_norms:
             h = self.norm("post_attn_norm")(h)
         x = x + h.astype(jnp.float32)
@@ -336,14 +356,17 @@ class OutputKernel(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder: ``__call__(tokens[B,T], positions[B,T] | None, decode) -> float32[B,T,V]``."""
+    """The decoder: ``__call__(tokens[B,T], positions[B,T] | None, decode, segment_ids[B,T] | None) -> float32[B,T,V]``."""
 
     cfg: ModelConfig
     lora: LoraConfig | None = None
     settings: BackendSettings | None = None
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, decode: bool = False) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, decode: bool = False,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:  # fmt: skip
         cfg = self.cfg
         s = self.settings or settings_for("cpu")
         if s.scan_layers:
@@ -358,6 +381,8 @@ class Transformer(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         elif positions.shape != tokens.shape:
             raise ValueError(f"positions shape {positions.shape} differs from tokens shape {tokens.shape}")
+        if segment_ids is not None and (decode or segment_ids.shape != tokens.shape):
+            raise ValueError(f"segment_ids need tokens' shape {tokens.shape} and no decode, got {segment_ids.shape}")
         dt, pdt = jnp.dtype(s.compute_dtype), jnp.dtype(s.param_dtype)
         # Lookups stay in the master dtype: the residual stream is float32.
         embed = nn.Embed(
@@ -370,7 +395,7 @@ class Transformer(nn.Module):
             x = x * jnp.asarray(cfg.d_model**0.5, dt).astype(jnp.float32)
         block = nn.remat(Block) if s.remat else Block
         for i, kind in enumerate(cfg.resolved_layer_types()):
-            x = block(cfg, self.lora, s, decode, kind, name=f"block_{i}")(x, positions)
+            x = block(cfg, self.lora, s, decode, kind, name=f"block_{i}")(x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, dt, pdt, cfg.norm_offset_one, name="final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding.T

@@ -26,9 +26,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, flatten_config
-from needle.data.batching import BatchPlan
+from needle.data.batching import BatchPlan, PackedPlan, choose_seq_len
 from needle.data.prepare import PreparedData
 from needle.errors import NonFiniteLossError
 from needle.hardware import BackendSettings, enable_compilation_cache, settings_for
@@ -43,6 +44,7 @@ from needle.train.sharding import data_size, make_mesh
 from needle.train.step import ApplyFn, TrainState, create_state
 
 log = logging.getLogger(__name__)
+Plan = BatchPlan | PackedPlan
 
 # TrainConfig fields that only set the cadence of hooks or where caches live: changing them
 # between a run and its resume does not change the trajectory, so they are not compared.
@@ -55,8 +57,14 @@ class ModelApply:
 
     model: Transformer
 
-    def __call__(self, trainable: Any, frozen: Any, inputs: jax.Array) -> jax.Array:
-        return self.model.apply({"params": lora_lib.combine(trainable, frozen)}, inputs)
+    def __call__(
+        self, trainable: Any, frozen: Any, inputs: jax.Array, positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:  # fmt: skip
+        params = {"params": lora_lib.combine(trainable, frozen)}
+        if segment_ids is None and positions is None:
+            return self.model.apply(params, inputs)
+        return self.model.apply(params, inputs, positions, segment_ids=segment_ids)
 
 
 def make_apply_fn(model: Transformer) -> ApplyFn:
@@ -98,15 +106,45 @@ def initial_params(
     return lora_lib.attach_base(fresh, base_params)
 
 
+def attention_ratio(model_cfg: ModelConfig | None) -> float:
+    """A token's dense multiply-adds (projections, MLP, output head) over its attention
+    multiply-adds per attended position: what one more slot of sequence length costs."""
+    if model_cfg is None:
+        return 1024.0
+    c, hd = model_cfg, model_cfg.head_dim
+    per_layer = c.d_model * hd * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.d_model * c.d_ff
+    dense = c.n_layers * per_layer + c.d_model * c.vocab_size
+    return dense / (c.n_layers * 2 * c.n_heads * hd)
+
+
 def make_plans(
-    prepared: PreparedData, train_cfg: TrainConfig, max_len: int, pad_id: int
-) -> tuple[BatchPlan, BatchPlan | None]:
-    """The training plan and, when the split has rows, the validation plan."""
+    prepared: PreparedData, train_cfg: TrainConfig, max_len: int, pad_id: int, model_cfg: ModelConfig | None = None
+) -> tuple[Plan, Plan | None]:
+    """The training plan and, when the split has rows, the validation plan.
+
+    With ``train_cfg.packing`` (the default) both are ``PackedPlan`` of one sequence length:
+    one compiled training program per run. ``train_cfg.seq_len``, or else the length between the
+    longest row and ``2 * max_len`` of least compute per real token (``choose_seq_len``, with the
+    model's ``attention_ratio``). A row longer than the model's ``max_len`` is refused here
+    (prepare refuses or drops it earlier).
+    """
     if "train" not in prepared.splits or not len(prepared.splits["train"]):
         raise ValueError(f"prepared data {prepared.fingerprint} has no training rows")
-    args = (train_cfg.batch_size, max_len, train_cfg.seed, pad_id)
     val = prepared.splits.get("val")
-    return BatchPlan(prepared.splits["train"], *args), BatchPlan(val, *args) if val is not None and len(val) else None
+    splits = [prepared.splits["train"], *([val] if val is not None and len(val) else [])]
+    if not train_cfg.packing:
+        args = (train_cfg.batch_size, max_len, train_cfg.seed, pad_id)
+        plans = [BatchPlan(split, *args) for split in splits]
+    else:
+        longest = max(len(ids) for split in splits for ids in split["ids"])
+        if longest > max_len:
+            raise ValueError(f"prepared data {prepared.fingerprint} has a row of {longest} tokens, more than the model's max_len={max_len}")
+        seq_len = train_cfg.seq_len
+        if seq_len is None:
+            slots = np.array([len(ids) - 1 for ids in splits[0]["ids"]], dtype=np.int64)
+            seq_len = choose_seq_len(slots, 16, 2 * max_len, attention_ratio(model_cfg))
+        plans = [PackedPlan(split, train_cfg.batch_size, seq_len, train_cfg.seed, pad_id) for split in splits]
+    return plans[0], plans[1] if len(plans) > 1 else None
 
 
 def _tokenizer_record(tokenizer: Tokenizer, out_dir: Path) -> tuple[str, str]:
@@ -169,10 +207,16 @@ def run_params(
     n_rows: int,
     devices: int,
     backend: str,
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
-    """The run's params for the tracker: flattened configs, data and parameter counts, devices."""
+    """The run's params for the tracker: flattened configs, data and parameter counts, devices,
+    and (``plan`` packed) the sequence length and packing efficiency (real tokens / slots)."""
     model_cfg, train_cfg, optim_cfg, lora_cfg = configs
-    return {
+    packed = {}
+    if isinstance(plan, PackedPlan):
+        packed = {"data.seq_len": plan.seq_len, "data.packing_efficiency": round(plan.efficiency, 4),
+                  "data.steps_per_epoch": plan.steps_per_epoch}  # fmt: skip
+    return {**packed, 
         **flatten_config(model_cfg, "model."), **flatten_config(train_cfg, "train."),
         **flatten_config(optim_cfg, "optim."), **(flatten_config(lora_cfg, "lora.") if lora_cfg else {}),
         "data.fingerprint": prepared.fingerprint, "data.train_rows": n_rows,
@@ -183,7 +227,7 @@ def run_params(
 
 def train_with_checkpoints(
     state: TrainState,
-    plans: tuple[BatchPlan, BatchPlan | None],
+    plans: tuple[Plan, Plan | None],
     train_cfg: TrainConfig,
     meta: dict[str, Any],
     out: Path,
@@ -253,8 +297,11 @@ def run_training(
     mesh = make_mesh()
     if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
         raise ValueError(f"batch_size={train_cfg.batch_size} does not divide across {data_size(mesh)} devices")
-    plans = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id)
-    params = run_params(configs, prepared, state, len(plans[0]), data_size(mesh), settings.backend)
+    plans = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id, model_cfg)
+    params = run_params(configs, prepared, state, len(plans[0]), data_size(mesh), settings.backend, plans[0])
+    if isinstance(plans[0], PackedPlan):
+        log.info("%s: %d rows packed into sequences of %d tokens, efficiency %.3f (real tokens / slots), %d steps per epoch",
+                 train_cfg.mode, len(plans[0]), plans[0].seq_len, plans[0].efficiency, plans[0].steps_per_epoch)  # fmt: skip
     tracker.log_params(params)
     result = train_with_checkpoints(state, plans, train_cfg, meta, out, tracker, mesh, tokenizer)
     assert result.state is not None

@@ -11,7 +11,10 @@ Only ``state.trainable`` receives gradients; ``state.frozen`` (a LoRA base) is c
 
 ``apply_fn(trainable, frozen, inputs) -> float32 logits [B, T, V]``;
 ``metrics`` = loss, grad_norm, lr, tokens and ``finite`` (the new state holds no NaN/inf);
-``batch = {"inputs": int32[B, T], "targets": int32[B, T], "mask": float32[B, T]}``.
+``batch = {"inputs": int32[B, T], "targets": int32[B, T], "mask": float32[B, T]}``. A packed
+batch (``needle.data.batching.PackedPlan``) adds ``positions`` and ``segment_ids`` (int32[B, T]),
+passed on as ``apply_fn(trainable, frozen, inputs, positions=..., segment_ids=...)``; the loss
+stays the token-weighted mean over the mask, so it equals the loss of the same rows unpacked.
 """
 
 from __future__ import annotations
@@ -138,7 +141,11 @@ def create_state(
 
 def _loss_sum(apply_fn: ApplyFn, trainable: PyTree, frozen: PyTree, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Sum of masked token cross-entropies (float32) and the number of loss tokens."""
-    logits = apply_fn(trainable, frozen, batch["inputs"]).astype(jnp.float32)
+    if "segment_ids" in batch:  # packed rows: RoPE positions restart per row, attention stays within it
+        logits = apply_fn(trainable, frozen, batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    else:
+        logits = apply_fn(trainable, frozen, batch["inputs"])
+    logits = logits.astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return jnp.sum(losses * mask), jnp.sum(mask)

@@ -96,3 +96,76 @@ def test_empty_split_and_overlong_rows_are_errors() -> None:
         plan.batch(0)
     with pytest.raises(ValueError, match="more than max_len=64"):
         BatchPlan(_split([65]), batch_size=2, max_len=64, seed=0)
+
+
+# --- PackedPlan -------------------------------------------------------------------------------
+
+from needle.data.batching import PackedPlan, pack_rows  # noqa: E402
+
+
+def _rows_of(batch: dict[str, np.ndarray]) -> list[list[int]]:
+    """Row indices of each sequence, read from the segment runs."""
+    out = []
+    for inp, seg in zip(batch["inputs"], batch["segment_ids"]):
+        out.append([int(inp[np.flatnonzero(seg == s)[0]]) - 1000 for s in range(1, int(seg.max()) + 1)])
+    return out
+
+
+def test_pack_rows_keeps_rows_whole_and_fits() -> None:
+    lengths = np.array([n - 1 for n in LENGTHS])
+    seqs = pack_rows(lengths, np.arange(len(LENGTHS)), 128)
+    assert sorted(i for s in seqs for i in s) == list(range(len(LENGTHS)))
+    assert all(sum(lengths[i] for i in s) <= 128 for s in seqs)
+    assert len(seqs) == -(-int(lengths.sum()) // 128)  # as few sequences as the tokens allow here
+    with pytest.raises(ValueError, match="seq_len"):
+        pack_rows(np.array([129]), np.arange(1), 128)
+
+
+def test_packed_batch_layout_positions_segments_and_mask() -> None:
+    plan = PackedPlan(_split(LENGTHS), batch_size=2, seq_len=128, seed=0, pad_id=PAD)
+    b = plan.batch(0)
+    assert set(b) == {"inputs", "targets", "mask", "positions", "segment_ids"}
+    assert all(v.shape == (2, 128) for v in b.values())
+    for r in range(2):
+        seg, pos = b["segment_ids"][r], b["positions"][r]
+        for s in range(1, int(seg.max()) + 1):
+            idx = np.flatnonzero(seg == s)
+            row = int(b["inputs"][r, idx[0]]) - 1000
+            n = LENGTHS[row] - 1
+            assert len(idx) == n and np.array_equal(idx, np.arange(idx[0], idx[0] + n))  # contiguous, whole
+            assert pos[idx].tolist() == list(range(n))  # RoPE positions restart per row
+            assert np.all(b["inputs"][r, idx] == 1000 + row) and np.all(b["targets"][r, idx] == 1000 + row)
+            mask = [0] * (LENGTHS[row] // 2) + [1] * (LENGTHS[row] - LENGTHS[row] // 2)
+            assert b["mask"][r, idx].tolist() == mask[1:]
+        pad = seg == 0
+        assert np.all(b["mask"][r, pad] == 0) and np.all(b["inputs"][r, pad] == PAD)
+
+
+def test_packed_batches_are_step_pure_cover_each_epoch_and_reshuffle() -> None:
+    a = PackedPlan(_split(LENGTHS), batch_size=2, seq_len=128, seed=5)
+    b = PackedPlan(_split(LENGTHS), batch_size=2, seq_len=128, seed=5)
+    # A fresh plan asked for a late step first (a resume) gives the same batch.
+    late = b.batch(9)
+    firsts = [a.batch(s) for s in range(10)]
+    assert all(np.array_equal(late[k], firsts[9][k]) for k in late)
+    # The stream's first epoch holds every row exactly once.
+    n_seq = a._epoch_size(0)
+    rows = [r for s in range(-(-n_seq // 2)) for r in _rows_of(a.batch(s))][:n_seq]
+    stream = [i for seq in rows for i in seq]
+    assert sorted(stream) == list(range(len(LENGTHS)))
+    assert a._epoch(0) != a._epoch(1)  # each epoch repacks and reshuffles
+    assert 0.8 < a.efficiency <= 1.0
+
+
+def test_packed_eval_batches_cover_each_row_once_in_the_training_shape() -> None:
+    plan = PackedPlan(_split(LENGTHS), batch_size=4, seq_len=128, seed=0)
+    batches = list(plan.eval_batches())
+    assert all(b["inputs"].shape == (4, 128) for b in batches)
+    rows = [i for b in batches for seq in _rows_of(b) for i in seq]
+    assert sorted(rows) == list(range(len(LENGTHS)))
+    assert sum(float(b["mask"].sum()) for b in batches) == sum(n - n // 2 - (n // 2 == 0) for n in LENGTHS)
+
+
+def test_packed_plan_refuses_a_row_longer_than_the_sequence() -> None:
+    with pytest.raises(ValueError, match="more than seq_len"):
+        PackedPlan(_split([130]), batch_size=2, seq_len=128, seed=0)

@@ -57,13 +57,22 @@ def test_prepared_columns_and_stats(source: Path, data_tokenizer: Tokenizer) -> 
     assert len(set(sources)) == 20
 
 
-def test_truncation_is_counted_or_fails_with_file_line(source: Path, data_tokenizer: Tokenizer) -> None:
-    cfg = DataConfig(source=str(source), max_len=20)
-    data = prepare_dataset(cfg, data_tokenizer)
-    assert data.stats["truncated"] == 20 and len(data.stats["truncated_rows"]) == 20
-    assert max(data.splits["train"]["length"]) == 20 and all(data.splits["train"]["truncated"])
-    with pytest.raises(DataError, match=f"{source}:1: row is longer than max_len=20"):
-        prepare_dataset(cfg.model_copy(update={"on_truncate": "fail"}), data_tokenizer)
+def test_overlong_rows_are_refused_with_file_line_or_dropped_and_counted(write_jsonl, data_tokenizer: Tokenizer) -> None:
+    long_row = good_row(query="Set a timer for " + "very " * 120 + "long minutes", answers=[{"name": "set_timer", "arguments": {"minutes": 5}}])
+    path = write_jsonl(_rows(10) + [long_row] + _rows(2))
+    cfg = DataConfig(source=str(path), max_len=200)
+    # Default: refused, never cut, with its file:line and its real length.
+    with pytest.raises(DataError, match=rf"{path}:11: row longer than max_len: \d+ tokens > max_len=200") as err:
+        prepare_dataset(cfg, data_tokenizer)
+    assert len(err.value.issues) == 1
+    data = prepare_dataset(cfg.model_copy(update={"on_error": "drop"}), data_tokenizer)
+    assert sum(data.stats["rows"].values()) == 12 and data.stats["too_long"] == 1 and data.stats["truncated"] == 0
+    assert data.stats["dropped_reasons"] == {"row longer than max_len": 1}
+    assert not any(t for ds in data.splits.values() for t in ds["truncated"])
+    assert all(n <= 200 for ds in data.splits.values() for n in ds["length"])
+    # Raising max_len keeps the row whole.
+    whole = prepare_dataset(cfg.model_copy(update={"max_len": 1024}), data_tokenizer)
+    assert sum(whole.stats["rows"].values()) == 13 and max(whole.stats["length"]["max"], 0) > 200
 
 
 def test_bad_rows_fail_by_default_and_are_counted_when_dropped(write_jsonl, data_tokenizer: Tokenizer) -> None:

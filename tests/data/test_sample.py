@@ -16,9 +16,10 @@ def test_bundled_sample_regenerates_byte_identical_and_validates(tmp_path: Path)
     paths = write_sample(tmp_path)
     for part in ("base", "new"):
         assert paths[part].read_bytes() == (BUNDLED / f"{part}.jsonl").read_bytes(), part
-    report = validate_source(str(BUNDLED / "*.jsonl"))
-    assert report.ok, report.issues[:3]
-    assert (report.n_rows, report.n_files) == (16000, 2)
+    for part, n in (("base", 12000), ("new", 4000)):
+        report = validate_source(str(BUNDLED / f"{part}.jsonl"))
+        assert report.ok, report.issues[:3]
+        assert report.n_rows == n
 
 
 def test_catalogue_is_large_typed_and_split() -> None:
@@ -57,7 +58,7 @@ def test_rows_pick_from_offered_tools_and_copy_values(part: str) -> None:
                     assert str(value).lower() in row["query"].lower(), (value, row["query"])
         n_off += not called
         n_multi += len(called) == 2
-    assert 0.08 < n_off / len(rows) < 0.18
+    assert 0.15 < n_off / len(rows) < 0.25
     assert 0.15 < n_multi / len(rows) < 0.3
     assert len({r["query"] for r in rows}) > len(rows) / 2
 

@@ -127,3 +127,38 @@ def test_remat_gives_same_logits_and_scan_is_refused(cfg, base_params, make_toke
     np.testing.assert_allclose(np.asarray(remat), np.asarray(ref), atol=1e-6)
     with pytest.raises(ValueError, match="scan_layers"):
         logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, scan_layers=True)), base_params, tokens)
+
+
+@pytest.mark.parametrize("family", ["needle", "gemma3_text"])
+def test_packed_rows_give_the_logits_of_each_row_alone(cfg, make_tokens, family):
+    """segment_ids + positions restarting per row: each packed row's logits equal its own forward.
+
+    The Gemma-style config covers the sliding window (shorter than a row), q/k norms, both
+    RoPE bases and both soft caps."""
+    if family == "gemma3_text":
+        cfg = cfg.model_copy(update=dict(
+            arch="gemma3_text", qk_norm=True, norm_offset_one=True, post_norms=True, embed_scale=True,
+            mlp_act="gelu_tanh", rope_local_theta=10000.0, rope_theta=1e6, sliding_window=5,
+            layer_types=("sliding_attention", "full_attention"), attn_softcap=50.0, final_softcap=30.0,
+        ))  # fmt: skip
+    model = Transformer(cfg)
+    params = model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))["params"]
+    lengths = [(7, 9, 4), (12, 6)]  # two sequences of 24 slots, the second with padding
+    t = 24
+    tokens = make_tokens((2, t), seed=3)
+    positions = np.zeros((2, t), np.int32)
+    segments = np.zeros((2, t), np.int32)
+    for r, lens in enumerate(lengths):
+        at = 0
+        for s, n in enumerate(lens, start=1):
+            positions[r, at : at + n], segments[r, at : at + n] = np.arange(n), s
+            at += n
+    packed = jax.jit(model.apply)({"params": params}, tokens, jnp.asarray(positions), segment_ids=jnp.asarray(segments))
+    for r, lens in enumerate(lengths):
+        at = 0
+        for n in lens:
+            alone = model.apply({"params": params}, tokens[r : r + 1, at : at + n])
+            np.testing.assert_allclose(np.asarray(packed[r, at : at + n]), np.asarray(alone[0]), atol=2e-5, rtol=1e-5)
+            at += n
+    with pytest.raises(ValueError, match="segment_ids"):
+        model.apply({"params": params}, tokens, segment_ids=jnp.asarray(segments[:, :5]))

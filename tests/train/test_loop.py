@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from train_helpers import make_plan, make_state, train_cfg
+from train_helpers import make_packed_plan, make_plan, make_state, train_cfg
 
 from needle.config import OptimConfig
 from needle.data.batching import BatchPlan
@@ -97,9 +97,12 @@ def test_a_nan_state_behind_a_finite_loss_is_never_saved(tmp_path: Path) -> None
     ckpt.close()
 
 
-def test_resume_after_a_stop_between_saves_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["bucketed", "packed"])
+def test_resume_after_a_stop_between_saves_matches_the_uninterrupted_run(tmp_path: Path, packed: bool) -> None:
+    # Packed: 24 rows in about 10 sequences, 2 per batch, so the 6 steps cross an epoch boundary.
+    make_plan_ = make_packed_plan if packed else make_plan
     cfg = train_cfg(steps=6, log_every=1, checkpoint_every=3)
-    full = train(make_state(steps=6), make_plan(), cfg)
+    full = train(make_state(steps=6), make_plan_(), cfg)
 
     ckpt = Checkpointer(tmp_path)
 
@@ -108,10 +111,10 @@ def test_resume_after_a_stop_between_saves_matches_the_uninterrupted_run(tmp_pat
             raise StopAt(info.step)
 
     with pytest.raises(StopAt):
-        train(make_state(steps=6), make_plan(), cfg, hooks=[checkpoint_hook(ckpt, META, 3), Hook(crash, 1)])
+        train(make_state(steps=6), make_plan_(), cfg, hooks=[checkpoint_hook(ckpt, META, 3), Hook(crash, 1)])
     restored, meta = ckpt.restore_latest(make_state(steps=6), META)
     assert meta["step"] == 3
-    resumed = train(restored, make_plan(), cfg, start_step=meta["step"], hooks=[checkpoint_hook(ckpt, META, 3)])
+    resumed = train(restored, make_plan_(), cfg, start_step=meta["step"], hooks=[checkpoint_hook(ckpt, META, 3)])
     ckpt.close()
     assert [r["step"] for r in resumed.history] == [4, 5, 6]
     np.testing.assert_allclose(

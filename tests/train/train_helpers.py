@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, model_preset
-from needle.data.batching import BatchPlan
+from needle.data.batching import BatchPlan, PackedPlan
 from needle.data.prepare import PreparedData
 from needle.model import lora as lora_lib
 from needle.model.transformer import Transformer
@@ -43,6 +43,11 @@ def synthetic_split(n_rows: int, seed: int = 0) -> datasets.Dataset:
 
 def make_plan(n_rows: int = 24, batch_size: int = 4, seed: int = 0) -> BatchPlan:
     return BatchPlan(synthetic_split(n_rows, seed), batch_size=batch_size, max_len=MAX_LEN, seed=seed)
+
+
+def make_packed_plan(n_rows: int = 24, batch_size: int = 2, seed: int = 0, seq_len: int = 64) -> PackedPlan:
+    """Rows of 18..32 tokens packed two or three to a 64-slot sequence; a few batches per epoch."""
+    return PackedPlan(synthetic_split(n_rows, seed), batch_size=batch_size, seq_len=seq_len, seed=seed)
 
 
 @functools.lru_cache(maxsize=None)
