@@ -139,6 +139,19 @@ def loads_bounded(text: str) -> Any:
     return obj
 
 
+def check_decoded(value: Any) -> None:
+    """The checks :func:`loads_bounded` makes while parsing, for values that arrive already
+    decoded (a hub dataset's struct columns, a Python caller): finite numbers, valid Unicode."""
+    try:  # the C encoder does both checks in one pass
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        _check_surrogates(value)  # names the code point
+    except ValueError:
+        raise ValueError("a number is out of range (not a finite number: NaN or infinity)") from None
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels of arrays/objects") from None
+
+
 def _decode_json_field(value: Any, field: str) -> Any:
     if isinstance(value, str):
         try:
@@ -147,6 +160,10 @@ def _decode_json_field(value: Any, field: str) -> Any:
             raise ValueError(f"'{field}' is a string but not valid JSON ({exc.msg})") from None
         except ValueError as exc:
             raise ValueError(f"'{field}' (a JSON string): {exc}") from None
+    try:
+        check_decoded(value)
+    except ValueError as exc:
+        raise ValueError(f"'{field}': {exc}") from None
     return value
 
 
@@ -341,6 +358,7 @@ def parse_row(obj: Any, source: str) -> Row:
     query = obj["query"]
     if not isinstance(query, str) or not query.strip():
         raise ValueError("'query' must be a non-empty string")
+    _check_surrogates(query)  # a decoded row (hub, Python caller) was never checked by the parser
     raw_tools = _decode_json_field(obj["tools"], "tools")
     if not isinstance(raw_tools, list):
         raise ValueError(f"'tools' must be a list, got {type(raw_tools).__name__}")

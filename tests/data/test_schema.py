@@ -106,3 +106,18 @@ def test_nested_additional_properties_match_patterns_in_bounded_time() -> None:
     with pytest.raises(ValueError, match="takes too long to check"):
         parse_row(good_row(tools=tools, answers=[{"name": "f", "arguments": {"o": {"c" * 40 + "!": 1}}}]), "s:1")
     assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        (good_row(answers=[{"name": "set_timer", "arguments": {"minutes": float("inf")}}]), "not a finite number"),
+        (good_row(answers=[{"name": "set_timer", "arguments": {"minutes": float("nan")}}]), "not a finite number"),
+        (good_row(query="timer \ud800 please"), "lone surrogate"),
+        (good_row(answers=[{"name": "set_timer", "arguments": {"label": "x\udfff"}}]), "lone surrogate"),
+    ],
+)
+def test_decoded_rows_are_checked_like_parsed_json(row: object, reason: str) -> None:
+    # Hub datasets hand over struct columns already decoded: no JSON parser saw them.
+    with pytest.raises(ValueError, match=reason):
+        parse_row(row, "owner/name:1")
