@@ -86,18 +86,42 @@ def test_a_refused_resume_leaves_the_output_folder_as_it_was(sample_data: dict[s
     model = model_preset("tiny")
     out = tmp_path / "out"
 
-    def run(lr: float) -> Any:
+    def run(weight_decay: float) -> Any:
         train, optim = training_configs("scratch", steps=2, batch_size=8, train={"checkpoint_every": 1},
-                                        optim={"lr": lr})
+                                        optim={"weight_decay": weight_decay})
         prepared = pipeline.prepare_data(DataConfig(source=str(sample_data["new"])), vocab_size=model.vocab_size,
                                          cache_dir=out / "data")
         return pipeline.train(prepared, model, train, optim, out_dir=out)
 
-    run(1e-3)
+    run(0.01)
     before = {name: _snapshot(out / name) for name in ("data", "tokenizer", "checkpoints")}
-    with pytest.raises(CheckpointMismatchError, match="optim.lr"):
-        run(2e-3)
+    with pytest.raises(CheckpointMismatchError, match="optim.weight_decay"):
+        run(0.02)
     assert {name: _snapshot(out / name) for name in before} == before
+
+
+def test_after_a_divergence_a_lower_lr_resumes_from_the_last_good_checkpoint(
+    sample_data: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from needle.errors import NonFiniteLossError
+
+    model, out = model_preset("tiny"), tmp_path / "out"
+    prepared = pipeline.prepare_data(DataConfig(source=str(sample_data["new"])), vocab_size=model.vocab_size,
+                                     cache_dir=tmp_path / "data")
+
+    def run(lr: float) -> Any:
+        train, optim = training_configs("scratch", steps=12, batch_size=8, train={"checkpoint_every": 2},
+                                        optim={"lr": lr, "warmup_steps": 4, "clip_norm": 1e9})
+        return pipeline.train(prepared, model, train, optim, out_dir=out)
+
+    with pytest.raises(NonFiniteLossError, match="last good checkpoint: step"):
+        run(1e5)  # diverges once the warmup has raised the rate
+    kept = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept < 12
+    with caplog.at_level("WARNING", logger="needle"):
+        resumed = run(1e-3)
+    assert resumed.final_step == 12 and resumed.train_loss == resumed.train_loss  # finite
+    assert "optim.lr changed from 100000.0 to 0.001" in caplog.text
 
 
 def test_prefect_yaml_deploys_from_the_checkout_without_needle_checkout() -> None:

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # Meta keys that describe where a checkpoint is, not what produced it: never compared.
 RUNTIME_KEYS = frozenset({"step", "shuffle_position", "tokenizer_path"})
+# Config keys a resume may change (with a warning): they shape the schedule, not the saved state.
+RESUMABLE_CHANGES = frozenset({"optim.lr", "optim.min_lr_ratio"})
 
 CHECKSUM_FILE = "needle_checksums.json"
 # Not content: orbax's commit markers and step metadata hold timestamps and may be rewritten
@@ -227,6 +229,13 @@ class Checkpointer:
         verified = verify_checksums(self.directory / str(step))
         meta = self.read_meta(step)
         differing = diff_meta(expected_meta, meta)
+        changed = [k for k in differing if k in RESUMABLE_CHANGES]
+        differing = [k for k in differing if k not in RESUMABLE_CHANGES]
+        if changed and not differing:
+            # The learning rate lives in the schedule, not in the saved state: lowering it to
+            # continue past a divergence is a deliberate change of course, said once.
+            log.warning("resuming step %d with %s", step,
+                        ", ".join(f"{k} changed from {_lookup(meta, k)!r} to {_lookup(expected_meta, k)!r}" for k in changed))
         if differing:
             detail = ", ".join(f"{k}: saved {_lookup(meta, k)!r} != now {_lookup(expected_meta, k)!r}" for k in differing[:8])
             raise CheckpointMismatchError(
