@@ -223,7 +223,7 @@ def record_results(run: MlflowRun, tracker: Tracker, base: pipeline.Base, prepar
     histories = {"tuned": tuned.history}
     if base.record and base.record.get("history"):
         histories["base"] = base.record["history"]
-    tracker.log_artifact(tuned.model_dir, "model")
+    __import__("needle.serve.pyfunc").serve.pyfunc.log_pyfunc_to_run(run.client, run.run_id, tuned.model_dir)  # "model": MLflow pyfunc + needle dir
     for fmt, path in exports.items():
         tracker.log_artifact(path, f"export/{fmt}")  # export/hf (transformers), export/peft (adapter)
     tracker.log_artifact(Path(prepared.directory) / TOKENIZER_SUBDIR, "tokenizer")

@@ -4,7 +4,7 @@
     needle validate data/sample/new.jsonl
     needle train data/sample/base.jsonl --mode scratch --preset small --out runs/base
     needle evaluate runs/tuned/model data/sample/new.jsonl
-    needle predict runs/tuned/model --tools tools.json --query "turn on the kitchen lights"
+    needle predict runs/tuned/model --tools tools.json --query "turn on the kitchen lights"   # [--free]
 
 The installed `needle` script is the shell's ``flows.cli:main``, which adds ``finetune`` (the
 Prefect flow) to this parser through ``main(argv, extensions)``; ``python -m needle.cli`` is the
@@ -141,14 +141,14 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_out_dir(args.out)  # before the evaluation runs, not after
-    return run_evaluate_cli(args.checkpoint, args.data, args.out, args.max_rows)
+    return run_evaluate_cli(args.checkpoint, args.data, args.out, args.max_rows, constrained=not args.free_only)
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
     from needle.eval.predict import run_predict_cli
 
     queries = [args.query] if args.query is not None else _stdin_queries()
-    return run_predict_cli(args.checkpoint, args.tools, queries)
+    return run_predict_cli(args.checkpoint, args.tools, queries, constrained=not args.free)
 
 
 def _stdin_queries() -> list[str]:
@@ -222,12 +222,16 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("data", help="JSONL path or glob")
     p.add_argument("--out", default=None, help="report directory (default: <checkpoint>/../eval)")
     p.add_argument("--max-rows", type=positive_int, default=None)
+    p.add_argument("--free-only", action="store_true",
+                   help="skip the constrained decode (default: report free and constrained decoding side by side)")
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("predict", help="print the tool calls for a query (or stdin, one per line)")
     p.add_argument("checkpoint", help="exported model directory or models:/needle/<version>")
     p.add_argument("--tools", required=True, help="JSON file with the list of tools")
     p.add_argument("--query", default=None, help="the query (default: read stdin)")
+    p.add_argument("--free", action="store_true",
+                   help="decode freely (default: constrained to the offered tools' schemas, needle/serve/constrain.py)")
     p.set_defaults(func=_cmd_predict)
 
     p = sub.add_parser("export", help="write a model as a Hugging Face model or a PEFT LoRA adapter")

@@ -5,16 +5,19 @@ from code"), so loading it unpickles nothing: the weights (orbax), config and to
 (``tokenizer.json``) travel as the artifact ``model``, the ``needle`` package itself as code
 (``code_paths``), with a signature, an input example and pinned pip requirements.
 
-    from needle.serve.pyfunc import log_pyfunc
-    with mlflow.start_run():
-        log_pyfunc("runs/tuned/model")                 # artifact path "model"
+The artifact lies at the root of the MLflow model (its ``MLmodel`` entry points at ``.``), so a
+registered version is at once an MLflow model and an exported needle model directory:
+``needle.registry.resolve_model_dir`` and ``needle.model.io.load_model`` read it as before.
+
+    from needle.serve.pyfunc import log_pyfunc_to_run
+    log_pyfunc_to_run(MlflowClient(), run_id, "runs/tuned/model")     # artifact path "model"
     mlflow.pyfunc.load_model("models:/needle@champion").predict(
         pd.DataFrame({"query": ["text Bob hi"], "tools": [json.dumps(tools)]}))
 
     mlflow models serve -m models:/needle@champion --env-manager local --port 5001
 
 ``local_model_dir(location)`` maps a directory or ``models:/`` URI to the needle model
-directory: a registered pyfunc version holds it under ``artifacts/model``.
+directory (also for a pyfunc model saved with its weights under ``artifacts/``).
 """
 
 from __future__ import annotations
@@ -88,18 +91,25 @@ def _kwargs(model_dir: str | Path) -> dict[str, Any]:
 
 def save_pyfunc(model_dir: str | Path, path: str | Path) -> Path:
     """Write the pyfunc model of ``model_dir`` to directory ``path`` (must not exist)."""
+    import shutil
+
     import mlflow.pyfunc
+    from mlflow.models import Model
 
-    mlflow.pyfunc.save_model(path=str(path), **_kwargs(model_dir))
-    return Path(path)
-
-
-def log_pyfunc(model_dir: str | Path, artifact_path: str = ARTIFACT, registered_model_name: str | None = None) -> Any:
-    """Log the pyfunc model of ``model_dir`` into the active MLflow run at ``artifact_path``."""
-    import mlflow.pyfunc
-
-    return mlflow.pyfunc.log_model(name=artifact_path, registered_model_name=registered_model_name,
-                                   **_kwargs(model_dir))  # fmt: skip
+    root = Path(path)
+    mlflow.pyfunc.save_model(path=str(root), **_kwargs(model_dir))
+    # Lift the weights to the model's root (see the module doc) and point the artifact there.
+    spec = Model.load(str(root / "MLmodel"))
+    entry = spec.flavors["python_function"]["artifacts"][ARTIFACT]
+    saved = root / entry["path"]
+    for item in saved.iterdir():
+        if (root / item.name).exists():
+            raise FileExistsError(f"{root / item.name}: the model directory and the MLflow files clash")
+        shutil.move(str(item), str(root / item.name))
+    shutil.rmtree(root / "artifacts")
+    entry["path"] = "."
+    spec.save(str(root / "MLmodel"))
+    return root
 
 
 def log_pyfunc_to_run(client: Any, run_id: str, model_dir: str | Path, artifact_path: str = ARTIFACT) -> None:

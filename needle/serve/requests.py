@@ -122,7 +122,7 @@ def table_answer(predictor: Any, model_input: Any, constrained: bool) -> Any:
             results[i]["error"] = pred["error"]
         else:
             results[i]["calls"] = compact_json(pred)
-    return pd.DataFrame(results, columns=["calls", "error"])
+    return pd.DataFrame(results, columns=["calls", "error"], dtype=object)  # None stays None (null), not NaN
 
 
 def _predict(predictor: Any, requests: list[tuple[Any, Any]], constrained: bool) -> list[Any]:
