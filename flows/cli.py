@@ -33,6 +33,32 @@ def add_finetune(sub: Any) -> None:
     p.set_defaults(func=_cmd_finetune, own_logging=True)  # Prefect routes needle's log lines
 
 
+def add_data(sub: Any) -> None:
+    """The `data` subcommand group: `needle data add FILE...` (flows/landing.py)."""
+    p = sub.add_parser("data", help="data arrival: land validated rows and start a retrain")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    a = data_sub.add_parser("add", help="validate JSONL files, copy them into the landing folder, emit the event")
+    a.add_argument("files", nargs="+", help="JSONL files of rows (all refused if any row is bad)")
+    a.add_argument("--landing", default=None, help="landing folder (default $NEEDLE_LANDING_DIR or <state>/landing)")
+    a.add_argument("--params", default=None, help="further FinetuneParams (JSON) for the run the event starts")
+    a.set_defaults(func=_cmd_data_add)
+
+
+def _cmd_data_add(args: Any) -> int:
+    from flows.landing import announce, land, landing_dir
+
+    overrides = parse_params(args.params)
+    folder = Path(args.landing).resolve() if args.landing else landing_dir()
+    landed = land(args.files, folder)
+    for path in landed.added:
+        print(f"landed {path}")
+    for path in landed.already:
+        print(f"already there {path}")
+    print(f"{folder}: {landed.rows} new row(s), folder digest {landed.digest[:16]}")
+    print(announce(landed, overrides))
+    return 0
+
+
 def _cmd_finetune(args: Any) -> int:
     overrides = parse_params(args.params)
     params = {"data": args.data, "preset": args.preset, "base_model": args.base, "steps": args.steps, **overrides}
@@ -124,7 +150,7 @@ def _print_result(result: dict[str, Any], ui_link: Any) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `needle` console script."""
-    return needle_cli.main(argv, extensions=[add_finetune])
+    return needle_cli.main(argv, extensions=[add_finetune, add_data])
 
 
 if __name__ == "__main__":

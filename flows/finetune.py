@@ -18,7 +18,7 @@ Deployed: see prefect.yaml and deployments/stack-up.sh.
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from prefect import flow, runtime
 
@@ -96,14 +96,16 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
 
 def gate_and_register(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: MlflowTracker,
                       tuned: pipeline.Trained, gate_rows: pipeline.LoadedSource, run_dir: Path,
-                      tags: dict[str, Any]) -> tuple[Any, Any]:  # fmt: skip
-    """Score the tuned model and the champion on the gate set, record the verdict, register the
-    version with its lineage (alias champion or challenger); returns (outcome, version or None)."""
+                      tags: dict[str, Any], model_run_id: Optional[str] = None) -> tuple[Any, Any]:  # fmt: skip
+    """Score the tuned model and the champion on the gate set, record the verdict in ``run``,
+    register the version (from the ``model`` artifact of ``model_run_id``, default ``run``) with
+    its lineage (alias champion or challenger); returns (outcome, version or None)."""
     current = champion(run.uri, state / "registry-cache")
     outcome = gate(tuned.model_dir, current, gate_rows, p.eval, p.gate, run_dir / "gate")
     gate_record.record_gate(run, tracker, outcome, step=tuned.final_step)
+    model_run_id = model_run_id or run.run_id
     lineage = {"git_commit": rec.git_commit(), "prefect.flow_run_id": str(runtime.flow_run.id),
-               "mlflow.run_id": run.run_id, "base_model": p.base_model}  # fmt: skip
-    version = (register(run.run_id, run.uri, {**tags, **lineage, **outcome.version_tags()}, outcome)
+               "mlflow.run_id": model_run_id, "base_model": p.base_model}  # fmt: skip
+    version = (register(model_run_id, run.uri, {**tags, **lineage, **outcome.version_tags()}, outcome)
                if p.register_model else None)  # fmt: skip
     return outcome, version
