@@ -91,13 +91,13 @@ def test_refuses_a_checkpoint_of_other_data_or_config(tmp_path: Path) -> None:
     ckpt.save(state, META)
     ckpt.wait()
     other = build_meta(
-        fingerprint="data-xyz", configs={"optim": OptimConfig(lr=2e-2), "lora": None}, tokenizer_sha256="tok-1"
+        fingerprint="data-xyz", configs={"optim": OptimConfig(weight_decay=0.5), "lora": None}, tokenizer_sha256="tok-1"
     )
     with pytest.raises(CheckpointMismatchError) as err:
         ckpt.restore_latest(state, other)
     message = str(err.value)
     assert "fingerprint" in message and "data-abc" in message and "data-xyz" in message
-    assert "optim.lr" in message
+    assert "optim.weight_decay" in message
     ckpt.close()
 
 
