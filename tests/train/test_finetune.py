@@ -67,10 +67,10 @@ def test_scratch_then_lora_export_resume_and_refusal(tmp_path: Path) -> None:
     # Embeddings and norms have no adapters: merging leaves them exactly as in the base.
     assert all(np.array_equal(base_p[k], tuned_p[k]) for k in base_p if "embed" in k or "scale" in k)
 
-    # Another learning rate in the same out_dir would not be an exact resume: refused.
-    with pytest.raises(CheckpointMismatchError, match="optim.lr"):
+    # Another weight decay in the same out_dir would not be an exact resume: refused.
+    with pytest.raises(CheckpointMismatchError, match="optim.weight_decay"):
         run_training(
-            prepared, tok, model_cfg, lora_train, OptimConfig(lr=5e-2, warmup_steps=0), LORA,
+            prepared, tok, model_cfg, lora_train, OptimConfig(lr=1e-2, warmup_steps=0, weight_decay=0.5), LORA,
             base_model_dir=base.model_dir, out_dir=tmp_path / "lora",
         )  # fmt: skip
 
