@@ -141,11 +141,13 @@ def grammar_for(kind: str, tools: Sequence[dict[str, Any]], specials: dict[str, 
     if kind == "json_list":
         return f"start: calls\ncalls: {_json_rule(call_list_schema(tools), SPACED)}\n"
     if kind == "hermes":
-        if not tools:
-            return 'start: ""\n'
         open_, close = _lit("<tool_call>", specials), _lit("</tool_call>", specials)
+        # Qwen3 writes an (empty) reasoning block first: allowed, but only empty.
+        think = f'({_lit("<think>", specials)} "\\n\\n" {_lit("</think>", specials)} "\\n\\n")?'
+        if not tools:
+            return f"start: {think}\n"
         return (
-            'start: (block ("\\n" block)*)?\n'
+            f'start: {think} (block ("\\n" block)*)?\n'
             f'block: {open_} "\\n" call "\\n" {close}\n'
             f"call: {_json_rule(any_call_schema(tools), SPACED)}\n"
         )
@@ -190,7 +192,7 @@ class Constraints:
         stops = tuple(int(i) for i in tok.stop_ids)
         lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=list(stops))
         specials = {}
-        for text in (CALL, "<tool_call>", "</tool_call>"):
+        for text in (CALL, "<tool_call>", "</tool_call>", "<think>", "</think>"):
             tid = tok._raw.token_to_id(text) if hasattr(tok, "_raw") else None  # noqa: SLF001
             if tid is not None and lltok.is_special_token(tid):
                 specials[text] = int(tid)

@@ -79,7 +79,7 @@ def test_predict_parses_tool_calls_and_reports_the_turn_end_by_name(
     tok = qwen_loaded.tokenizer
     call = '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
     scripted = Generation([tok.encode(call), tok.encode("<tool_call>\n{")], [True, False], 20)
-    monkeypatch.setattr(predict_mod, "generate_detailed", lambda *a, **k: scripted)
+    monkeypatch.setattr("needle.serve.engine.generate_detailed", lambda *a, **k: scripted)
     out = predict_mod.predict(qwen_loaded, eval_rows[0].tools, ["time in Oslo?", "and?"], EvalConfig(max_new_tokens=16))
     assert out[0] == [{"name": "get_time", "arguments": {"city": "Oslo"}}]
     assert "no <|im_end|> within 16 tokens" in out[1]["error"] and out[1]["raw"] == "<tool_call>\n{"
