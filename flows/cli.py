@@ -115,6 +115,7 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     from flows import run_record as rec
     from flows.finetune import needle
     from flows.params import FinetuneParams
+    from needle.mlflow_tracker import check_tracking
 
     from pydantic import ValidationError
 
@@ -122,6 +123,7 @@ def run_embedded(**params: Any) -> dict[str, Any]:
         p = FinetuneParams(**{k: v for k, v in params.items() if v is not None})
     except ValidationError as exc:
         raise UsageError(f"invalid parameters: {_one_line(exc)}") from None
+    check_tracking(os.environ["MLFLOW_TRACKING_URI"])  # seconds, before Prefect's server starts
     # Prefect may have read its settings before the environment above was set (an earlier
     # import): settings derived from PREFECT_HOME (the database, result storage) are rebuilt.
     with SettingsContext(profile=SettingsContext.get().profile, settings=Settings()):

@@ -42,7 +42,8 @@ def needle(params: FinetuneParams = FinetuneParams()) -> dict[str, Any]:
     redact_logs()  # a tracking URI's password never reaches the console or Prefect's log store
     state = state_dir()
     run = rec.start_run(tracking_uri(state))
-    tracker = MlflowTracker(run.run_id, run.uri, terminate_on_finish=False)  # the flow ends the run
+    # The flow ends the run; metrics MLflow cannot take by the end wait for the next run.
+    tracker = MlflowTracker(run.run_id, run.uri, terminate_on_finish=False, spill_dir=rec.pending_metrics_dir())
     try:
         inputs = fingerprint_inputs(params, tracker)
         same = None if params.force else unchanged(run.uri, inputs["train_key"])

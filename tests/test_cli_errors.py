@@ -89,3 +89,18 @@ def test_misspelt_finetune_key_is_one_line_before_any_run(tmp_path: Path) -> Non
     assert proc.returncode == 2 and "Traceback" not in err, err
     assert err.strip().splitlines() == ["error: invalid parameters: lora.rnak: Extra inputs are not permitted"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_unreachable_tracking_server_is_one_line_in_seconds(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    proc = _run(["finetune", NEW, "--preset", "tiny"],
+                env={"NEEDLE_STATE_DIR": str(tmp_path), "MLFLOW_TRACKING_URI": f"http://ann:pw9@127.0.0.1:{port}"})
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        f"error: MLflow tracking server http://ann:***@127.0.0.1:{port} is not reachable (no answer within 5 s): "
+        "start it, or unset MLFLOW_TRACKING_URI to track in the local SQLite store"]
