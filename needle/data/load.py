@@ -98,7 +98,7 @@ def _parse_line(text: str, source: str) -> Row:
         obj = loads_bounded(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON: {exc.msg} (column {exc.colno})") from None
-    return parse_row(obj, source)
+    return parse_row(obj, source, parsed_bounded=True)
 
 
 def _bytes_digest(data: bytes) -> str:

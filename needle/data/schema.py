@@ -152,7 +152,7 @@ def check_decoded(value: Any) -> None:
         raise ValueError(f"nested deeper than {MAX_DEPTH} levels of arrays/objects") from None
 
 
-def _decode_json_field(value: Any, field: str) -> Any:
+def _decode_json_field(value: Any, field: str, checked: bool = False) -> Any:
     if isinstance(value, str):
         try:
             return loads_bounded(value)
@@ -161,7 +161,8 @@ def _decode_json_field(value: Any, field: str) -> Any:
         except ValueError as exc:
             raise ValueError(f"'{field}' (a JSON string): {exc}") from None
     try:
-        check_decoded(value)
+        if not checked:
+            check_decoded(value)
     except ValueError as exc:
         raise ValueError(f"'{field}': {exc}") from None
     return value
@@ -344,10 +345,12 @@ def _optional_str(obj: dict[str, Any], field: str) -> str | None:
     return value or None
 
 
-def parse_row(obj: Any, source: str) -> Row:
+def parse_row(obj: Any, source: str, *, parsed_bounded: bool = False) -> Row:
     """Validate one decoded JSON value and return a normalised :class:`Row`.
 
-    Raises ``ValueError`` with a short reason (no location: the caller knows it).
+    ``parsed_bounded`` says ``obj`` came from :func:`loads_bounded`, which already checked its
+    numbers and strings; values decoded elsewhere are checked here. Raises ``ValueError`` with
+    a short reason (no location: the caller knows it).
     """
     if not isinstance(obj, dict):
         raise ValueError(f"row must be a JSON object, got {type(obj).__name__}")
@@ -358,8 +361,9 @@ def parse_row(obj: Any, source: str) -> Row:
     query = obj["query"]
     if not isinstance(query, str) or not query.strip():
         raise ValueError("'query' must be a non-empty string")
-    _check_surrogates(query)  # a decoded row (hub, Python caller) was never checked by the parser
-    raw_tools = _decode_json_field(obj["tools"], "tools")
+    if not parsed_bounded:
+        _check_surrogates(query)  # a decoded row (hub, Python caller) was never checked by a parser
+    raw_tools = _decode_json_field(obj["tools"], "tools", parsed_bounded)
     if not isinstance(raw_tools, list):
         raise ValueError(f"'tools' must be a list, got {type(raw_tools).__name__}")
     tools = [_parse_tool(t, i) for i, t in enumerate(raw_tools)]
@@ -368,7 +372,7 @@ def parse_row(obj: Any, source: str) -> Row:
         if tool["name"] in by_name:
             raise ValueError(f"tool name '{tool['name']}' is declared twice")
         by_name[tool["name"]] = tool
-    raw_answers = _decode_json_field(obj["answers"], "answers")
+    raw_answers = _decode_json_field(obj["answers"], "answers", parsed_bounded)
     if not isinstance(raw_answers, list):
         raise ValueError(f"'answers' must be a list, got {type(raw_answers).__name__}")
     answers = [_parse_answer(a, i, by_name) for i, a in enumerate(raw_answers)]
