@@ -1,0 +1,243 @@
+"""Serving speed: a needle model behind `mlflow models serve`, measured with a real HTTP client.
+
+    python -m bench.serve [--model DIR] [--requests 30] [--eval-rows 100] [--out bench/results/serve.json]
+    python -m bench.serve --libs      # llguidance vs xgrammar vs outlines-core, whichever are installed
+
+Saves the model as the pyfunc model the flow registers (needle/serve/pyfunc.py), serves it on a
+free 127.0.0.1 port (``--env-manager local``, one uvicorn worker), then measures: one client
+sending requests one after another (latency p50/p95, table shape, one query each), four
+concurrent clients (requests/s), and in-process constrained vs free decoding rows/s on held-out
+rows of data/sample/new.jsonl (the second, warm pass of each). ``--model`` defaults to the newest
+tuned model under .state/runs (the main job's); without one it uses a random-init ``small``
+model and says so in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _newest_model() -> Path | None:
+    """The newest tuned ``small`` model under .state/runs (the main job's), or None."""
+    found = []
+    for path in ROOT.glob(".state/runs/*/lora-*/model"):
+        try:
+            if json.loads((path / "config.json").read_text()).get("preset") == "small":
+                found.append(path)
+        except (OSError, ValueError):
+            continue
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _random_small(out: Path) -> Path:
+    from needle.config import model_preset
+    from needle.data.load import read_rows
+    from needle.data.render import render_text
+    from needle.model.io import save_model
+    from needle.model.lora import init_params
+    from needle.tokenizer import train_tokenizer
+
+    rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
+    tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)
+    cfg = model_preset("small", vocab_size=1024)
+    return save_model(out, init_params(cfg, None, 0), cfg, tok, {"random_init": True})
+
+
+def _post(url: str, body: dict) -> float:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        resp.read()
+        assert resp.status == 200
+    return time.perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def decode_speed(model_dir: Path, n_rows: int) -> dict:
+    """Constrained vs free rows/s on held-out rows (warm: the second evaluation of each)."""
+    from needle.config import EvalConfig
+    from needle.data.load import read_rows
+    from needle.eval.evaluate import evaluate_model
+    from needle.model.io import load_model
+
+    rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
+    held = rows[-n_rows:]
+    loaded = load_model(model_dir)
+    evaluate_model(loaded, held[:8], EvalConfig())  # compile both paths' shapes once
+    res = evaluate_model(loaded, held, EvalConfig())
+    m = res.metrics
+    keys = ("parse_rate", "valid_call_rate", "exact_match", "tool_name_accuracy", "offtopic_accuracy")
+    return {"rows": len(held), "free_rows_per_s": res.rows_per_s, "constrained_rows_per_s": m["constrained_rows_per_s"],
+            "free": {k: m[k] for k in keys}, "constrained": {k: m[f"constrained_{k}"] for k in keys},
+            "constrained_n_steered": m["constrained_n_steered"]}  # fmt: skip
+
+
+def compare_libs(n_sets: int = 32) -> dict:
+    """Compile time per tool set and mask time per token of each installed grammar library, on
+    needle's BPE (vocab 1024) and the sample's tool sets, teacher-forcing the reference answers."""
+    import importlib.util
+
+    import numpy as np
+
+    from needle.data.load import read_rows
+    from needle.data.render import render_text
+    from needle.serve.constrain import call_list_schema
+    from needle.tokenizer import train_tokenizer
+
+    rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
+    tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)
+    vocab, seen, picked = tok.vocab_size, set(), []
+    for r in rows:
+        key = tuple(t["name"] for t in r.tools)
+        if key not in seen and len(picked) < n_sets:
+            seen.add(key)
+            picked.append(r)
+    schemas = [json.dumps(call_list_schema(r.tools)) for r in picked]
+    targets = [tok.encode(json.dumps(r.answers, separators=(",", ":"))) for r in picked]
+    n_tok = sum(map(len, targets))
+    out: dict = {"tool_sets": len(picked), "tokens": n_tok}
+
+    def run(make, fill, advance) -> dict:
+        t = time.perf_counter()
+        ms = [make(s) for s in schemas]
+        compile_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for step in range(max(map(len, targets))):
+            for i, m in enumerate(ms):
+                if step < len(targets[i]):
+                    fill(m, i)
+                    advance(m, targets[i][step])
+        return {"compile_ms_per_tool_set": compile_s / len(ms) * 1e3,
+                "mask_us_per_token": (time.perf_counter() - t) / n_tok * 1e6}  # fmt: skip
+
+    if importlib.util.find_spec("llguidance"):
+        import llguidance as llg
+        from llguidance.numpy import fill_next_token_bitmask
+
+        lt = llg.LLTokenizer(tok.to_json(), n_vocab=vocab, eos_token=[tok.end_id])
+        bits = np.zeros((len(schemas), (vocab + 31) // 32), np.int32)
+        spacing = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+        out["llguidance"] = run(
+            lambda s: llg.LLMatcher(lt, llg.LLMatcher.grammar_from_json_schema({**json.loads(s), "x-guidance": spacing})),
+            lambda m, i: fill_next_token_bitmask(m, bits, i), lambda m, t: m.consume_token(t))  # fmt: skip
+    if importlib.util.find_spec("xgrammar"):
+        import xgrammar as xgr
+
+        vocab_list = [""] * vocab
+        for text, i in tok._raw.get_vocab(with_added_tokens=True).items():  # noqa: SLF001
+            vocab_list[i] = text
+        info = xgr.TokenizerInfo(vocab_list, vocab_type=xgr.VocabType.BYTE_LEVEL, vocab_size=vocab,
+                                 stop_token_ids=[tok.end_id])  # fmt: skip
+        comp = xgr.GrammarCompiler(info, max_threads=1)
+        xbits = xgr.allocate_token_bitmask(len(schemas), vocab)
+        out["xgrammar"] = run(
+            lambda s: xgr.GrammarMatcher(comp.compile_json_schema(s, any_whitespace=False, separators=(",", ":"))),
+            lambda m, i: m.fill_next_token_bitmask(xbits, i), lambda m, t: m.accept_token(t))  # fmt: skip
+    if importlib.util.find_spec("outlines_core"):
+        from outlines_core import Guide, Index, Vocabulary
+        from outlines_core.json_schema import build_regex_from_schema
+
+        table: dict[str, list[int]] = {}
+        for i in range(9, vocab):
+            table.setdefault(tok.decode([i]), []).append(i)
+        voc = Vocabulary(tok.end_id, table)
+        obits = np.zeros((len(schemas), (vocab + 31) // 32), np.int32)
+        out["outlines_core"] = run(
+            lambda s: Guide(Index(build_regex_from_schema(s, whitespace_pattern=""), voc)),
+            lambda m, i: m.write_mask_into(obits[i].ctypes.data, obits.shape[1], 4), lambda m, t: m.advance(t))  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--libs", action="store_true", help="compare the grammar libraries instead")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--eval-rows", type=int, default=100)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
+    args = ap.parse_args(argv)
+    if args.libs:
+        print(json.dumps(compare_libs(), indent=2))
+        return 0
+    from needle.data.load import read_rows
+    from needle.serve.pyfunc import save_pyfunc
+
+    tmp = Path(tempfile.mkdtemp(prefix="needle-serve-"))
+    model_dir = Path(args.model) if args.model else _newest_model()
+    source = str(model_dir) if model_dir else "random-init small (no trained model found)"
+    if model_dir is None:
+        model_dir = _random_small(tmp / "small")
+    pyfunc_dir = save_pyfunc(model_dir, tmp / "pyfunc")
+    rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
+    bodies = [{"dataframe_records": [{"query": r.query, "tools": json.dumps(r.tools)}]} for r in rows[-args.requests:]]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    cmd = [str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m", str(pyfunc_dir), "--env-manager",
+           "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    log = open(tmp / "serve.log", "w")
+    started = time.perf_counter()
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/ping", timeout=5):
+                    break
+            except OSError:
+                if server.poll() is not None or time.perf_counter() - started > 300:
+                    raise RuntimeError((tmp / "serve.log").read_text()[-2000:])
+                time.sleep(0.5)
+        start_s = time.perf_counter() - started
+        for body in bodies[:3]:
+            _post(f"{url}/invocations", body)  # warm-up: compile the decode shapes
+        single = [_post(f"{url}/invocations", b) for b in bodies]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            conc = list(pool.map(lambda b: _post(f"{url}/invocations", b), bodies))
+        conc_wall = time.perf_counter() - t0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(server.pid, sig)
+                server.wait(timeout=20)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        log.close()
+    result = {
+        "model": source, "server": "mlflow models serve --env-manager local --workers 1", "server_start_s": start_s,
+        "requests": len(bodies), "shape": "table, one query per request, constrained",
+        "latency_p50_s": statistics.median(single), "latency_p95_s": _pct(single, 0.95),
+        "concurrent_clients": 4, "concurrent_requests_per_s": len(conc) / conc_wall,
+        "concurrent_latency_p50_s": statistics.median(conc), "concurrent_latency_p95_s": _pct(conc, 0.95),
+        "decode": decode_speed(model_dir, args.eval_rows),
+        "machine": f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
