@@ -14,8 +14,9 @@ library alone. Heavy imports (jax, datasets) happen inside each command so `--he
 from __future__ import annotations
 
 import argparse
-import logging
 import json
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -103,7 +104,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     model_cfg = pipeline.model_config(args.preset) if base is None else base.model_cfg
     data_cfg = DataConfig(source=args.data, max_len=model_cfg.max_len, on_error=args.on_error)
     prepared = pipeline.prepare_data(data_cfg, source, tokenizer=base.tokenizer if base else None,
-                                     vocab_size=model_cfg.vocab_size, cache_dir=out / "data")
+                                     vocab_size=model_cfg.vocab_size, cache_dir=prepared_cache_dir())
     train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
     lora_cfg = LoraConfig() if args.mode == "lora" else None
     trained = pipeline.train(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=out)
@@ -111,6 +112,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
+
+
+def prepared_cache_dir() -> Path:
+    """Where `needle train` keeps prepared data, by content key: ``$NEEDLE_CACHE_DIR/prepared``
+    (default ``~/.cache/needle``), outside ``--out``, so a refused resume leaves ``--out`` as it was."""
+    return Path(os.environ.get("NEEDLE_CACHE_DIR") or Path.home() / ".cache" / "needle") / "prepared"
 
 
 def _train_summary(trained: Any, prepared: Any, mode: str, preset: str) -> dict[str, Any]:

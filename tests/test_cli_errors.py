@@ -104,3 +104,15 @@ def test_unreachable_tracking_server_is_one_line_in_seconds(tmp_path: Path) -> N
     assert err.strip().splitlines() == [
         f"error: MLflow tracking server http://ann:***@127.0.0.1:{port} is not reachable (no answer within 5 s): "
         "start it, or unset MLFLOW_TRACKING_URI to track in the local SQLite store"]
+
+
+def test_train_refused_for_other_data_leaves_out_as_it_was(tmp_path: Path) -> None:
+    out, env = tmp_path / "out", {"NEEDLE_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    first = _run(["train", NEW, "--mode", "scratch", "--preset", "tiny", "--steps", "2", "--out", str(out)], env=env)
+    assert first.returncode == 0, first.stderr.decode()[-2000:]
+    before = _tree(out)
+    other = str(ROOT / "data" / "sample" / "base.jsonl")
+    proc = _run(["train", other, "--mode", "scratch", "--preset", "tiny", "--steps", "2", "--out", str(out)], env=env)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "fingerprint" in err and "Traceback" not in err, err[-2000:]
+    assert _tree(out) == before
