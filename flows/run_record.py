@@ -26,7 +26,8 @@ from flows.paths import CHECKOUT, state_dir
 from flows.reaper import watch_ephemeral_server
 from needle import pipeline
 from needle.data.prepare import TOKENIZER_SUBDIR
-from needle.mlflow_tracker import HEARTBEAT_TAG, check_tracking, upload_pending_metrics
+from needle.mlflow_tracker import HEARTBEAT_TAG, MlflowTracker, check_tracking, tracking_reachable
+from needle.mlflow_tracker import upload_pending_metrics
 from needle.tracking import Tracker, redact_uri
 
 LOCAL_EXPERIMENT = "needle-local"
@@ -177,10 +178,19 @@ def mark_stale_runs(client: Any, experiment_id: str, own_flow_run_id: str) -> li
 
 def end_failed(run: MlflowRun, tracker: Tracker, exc: BaseException) -> None:
     """Mark the run FAILED (KILLED when cancelled or interrupted) with the reason as a tag."""
-    tracker.finish()  # what was logged before the failure still lands
     reason = redact_uri(f"{type(exc).__name__}: {exc}")  # an MLflow error quotes the URI
-    run.client.set_tag(run.run_id, "failure_reason", reason[:7900])
-    mlflow.end_run("FAILED" if isinstance(exc, Exception) else "KILLED")
+    if tracking_reachable(run.uri):
+        tracker.finish()  # what was logged before the failure still lands (or is spilled)
+        run.client.set_tag(run.run_id, "failure_reason", reason[:7900])
+        mlflow.end_run("FAILED" if isinstance(exc, Exception) else "KILLED")
+    else:
+        # The failure may be the outage itself: one line, not a second traceback; the next run
+        # finds this run stale and marks it KILLED.
+        print(f"MLflow at {redact_uri(run.uri)} is unreachable: run {run.run_id} stays RUNNING until the next "
+              "run marks it")
+        if isinstance(tracker, MlflowTracker):
+            tracker.finish_timeout = 0  # spill the metrics now for the next run
+        tracker.finish()
     create_markdown_artifact(key=SUMMARY_KEY, markdown=summary_markdown({**run.info, "status": "FAILED", "error": reason}),
                              description="needle run failed")
 
