@@ -1,13 +1,15 @@
 """Check the MLflow UI's compare view of the two newest runs in a headless browser.
 
-Finds the two newest FINISHED runs of an experiment through the tracking API, checks they
-share the same param and metric keys, opens ``#/compare-runs`` in headless Chromium (Debian's
+Finds the two newest FINISHED runs of an experiment (or, with ``--parent``, every FINISHED
+child run of a sweep's parent run) through the tracking API, checks they share the same param
+and metric keys, opens ``#/compare-runs`` in headless Chromium (Debian's
 ``chromium`` package: ``apt-get install chromium``), and checks the rendered page shows both
 runs and shared keys (its tables scroll, so only keys near the top are probed). Writes a
 screenshot next to the DOM dump.
 
     source .state/stack/env.sh
     python deployments/check_compare_ui.py [--experiment needle/finetune] [--out .state/ui-check]
+    python deployments/check_compare_ui.py --experiment needle/sweep --parent <parent run id>
 """
 
 from __future__ import annotations
@@ -37,17 +39,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--experiment", default="needle/finetune")
     parser.add_argument("--out", default=".state/ui-check")
+    parser.add_argument("--parent", default=None, help="compare the finished child runs of this run (a sweep)")
     args = parser.parse_args(argv)
     uri = os.environ["MLFLOW_TRACKING_URI"]
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(args.experiment)
-    runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
-                              order_by=["attributes.start_time DESC"], max_results=2)
+    if args.parent:
+        runs = client.search_runs([exp.experiment_id], f"attributes.status = 'FINISHED' and "
+                                  f"tags.`mlflow.parentRunId` = '{args.parent}'", order_by=["attributes.start_time DESC"])
+    else:
+        runs = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'",
+                                  order_by=["attributes.start_time DESC"], max_results=2)
     if len(runs) < 2:
         sys.exit(f"need two finished runs in {args.experiment}, found {len(runs)}")
-    a, b = runs
-    same_params = set(a.data.params) == set(b.data.params)
-    same_metrics = set(a.data.metrics) == set(b.data.metrics)
+    a = runs[0]
+
+    def trained(run: object) -> set[str]:  # system/* are sampled every 10 s: present or not by timing
+        return {k for k in run.data.metrics if not k.startswith("system/")}
+
+    same_params = all(set(r.data.params) == set(a.data.params) for r in runs)
+    same_metrics = all(trained(r) == trained(a) for r in runs) if args.parent else set(a.data.metrics) == set(runs[1].data.metrics)
     ids = [r.info.run_id for r in runs]
     query = urllib.parse.urlencode({"runs": json.dumps(ids), "experiments": json.dumps([exp.experiment_id])})
     url = f"{uri}/#/compare-runs?{query}"

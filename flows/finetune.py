@@ -27,6 +27,7 @@ from flows import run_record as rec
 from flows.params import FinetuneParams
 from flows.paths import resolve_source, state_dir, tracking_uri
 from needle import pipeline
+from needle.gate import overlap_count
 from needle.pipeline import config_digest
 from needle.tracking import MlflowTracker, redact_logs
 from tasks.stages import base, champion, evaluate, export, fingerprint, finetune, gate, prepare, probe, register
@@ -69,6 +70,11 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     """The stages, in order; raises on the first failure (the caller records it)."""
     source = validate(resolve_source(p.data), p.on_error)
     gate_rows = validate(resolve_source(p.gate_data), "fail")  # a bad gate set fails before training
+    overlap = overlap_count(source.rows, gate_rows.rows)
+    tracker.set_tags({"gate_overlap_rows": overlap})
+    if overlap:
+        logging.getLogger("needle").warning("%d of the %d gate rows are also in the training data: the gate "
+                                            "flatters this model", overlap, len(gate_rows.rows))  # fmt: skip
     hw = probe()
     base_model = base(resolve_source(p.base_model) if p.base_model != "auto" else "auto", p.preset,
                       p.auto_base(), state, tracker, p.max_len)
@@ -88,7 +94,8 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     exports = export(tuned.model_dir, run_dir / "export")
     metrics = rec.record_results(run, tracker, base_model, prepared, tuned, report, run_dir, exports)
     outcome, version = gate_and_register(p, state, run, tracker, tuned, gate_rows, run_dir,
-                                         {**report.tuned, **inputs, "data_fingerprint": prepared.fingerprint})
+                                         {**report.tuned, **inputs, "data_fingerprint": prepared.fingerprint,
+                                          "gate_overlap_rows": overlap})  # fmt: skip
     return {"hw": hw, "metrics": {"train_loss": tuned.train_loss, "val_loss": tuned.val_loss, **metrics},
             "model_version": version, "model_dir": tuned.model_dir, "data_fingerprint": prepared.fingerprint,
             "prepared_dir": str(prepared.directory), "base": base_model.record or {"model_dir": base_model.model_dir},

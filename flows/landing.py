@@ -82,8 +82,13 @@ def waiting_run(folder: Path) -> Optional[str]:
     from prefect.client.schemas.filters import FlowRunFilterState, FlowRunFilterStateType
     from prefect.client.schemas.objects import StateType
 
+    from prefect.exceptions import ObjectNotFound
+
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(DEPLOYMENT)
+        try:
+            deployment = client.read_deployment_by_name(DEPLOYMENT)
+        except ObjectNotFound:
+            return None  # not deployed: the event is still recorded, nothing waits
         runs = client.read_flow_runs(
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(

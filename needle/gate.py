@@ -202,6 +202,13 @@ def decision_table(challenger: dict[str, Any], champion: dict[str, Any] | None,
     return rows
 
 
+def overlap_count(training_rows: list[Any], gate_rows: list[Any]) -> int:
+    """Gate rows whose query also appears in the training rows (validated ``Row`` objects): a
+    gate that leaks into training flatters every model trained on it; the flow tags the count."""
+    seen = {r.query for r in training_rows}
+    return sum(r.query in seen for r in gate_rows)
+
+
 def held_out_rows(n: int, training_rows: list[dict[str, Any]], seed: int = GATE_SEED) -> list[dict[str, Any]]:
     """``n`` new-tool rows of the sample generator (seed ``seed``) whose queries appear in none
     of ``training_rows`` and in no earlier gate row."""

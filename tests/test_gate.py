@@ -89,3 +89,12 @@ def test_folder_and_glob_digest_is_by_content(tmp_path: Path) -> None:
     assert source_digest(str(landing)) != first  # new content does
     single = source_digest(str(new))
     assert single == load_source(str(new)).digest
+
+
+def test_overlap_counts_gate_rows_seen_in_training() -> None:
+    from needle.data.load import load_source
+    from needle.gate import overlap_count
+
+    gate = load_source(str(ROOT / DEFAULT_GATE)).rows
+    assert overlap_count(load_source(str(ROOT / "data" / "sample" / "new.jsonl")).rows, gate) == 0
+    assert overlap_count(gate[:7], gate) == 7
