@@ -73,7 +73,8 @@ def format_table(result: dict[str, Any]) -> str:
     if comp.get("status") == "ok":
         lines.append(f"compile (first step): cold {_fmt(comp['cold']['first_step_s'])} s, warm "
                      f"{_fmt(comp['warm']['first_step_s'])} s; process start to first step cold "
-                     f"{_fmt(comp['cold']['process_to_first_step_s'])} s, warm {_fmt(comp['warm']['process_to_first_step_s'])} s")
+                     f"{_fmt(comp['cold']['process_to_first_step_s'])} s, warm {_fmt(comp['warm']['process_to_first_step_s'])} s"
+                     f"; step programs cold {comp['cold'].get('programs')}, warm {comp['warm'].get('programs')}")
     ns = result.get("needle_style", {})
     if ns.get("status") == "ok":
         lines.append(f"needle-style loop: step {_fmt(ns['step_s'], '.3f')} s, {_fmt(ns['real_tokens_per_s'], ',.0f')} real tok/s, "

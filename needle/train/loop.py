@@ -34,14 +34,16 @@ from needle.config import TrainConfig
 from needle.errors import NonFiniteLossError
 from needle.train.checkpoint import Checkpointer
 from needle.train.sharding import replicate, shard_batch
+from needle.train.programs import StepPrograms
 from needle.train.step import TrainState, eval_step, train_step
 
 log = logging.getLogger(__name__)
 
-# Compiled once per process (per batch shape and state layout); the state is donated so the
-# update happens in place.
-_train_step = jax.jit(train_step, donate_argnums=0)
-_eval_step = jax.jit(eval_step)
+# Compiled once per batch shape and state layout (packed plans have one shape), or loaded as a
+# saved executable from the compilation cache directory (needle/train/programs.py); the state is
+# donated so the update happens in place.
+def _programs(cache_dir: str | None) -> tuple[StepPrograms, StepPrograms]:
+    return StepPrograms(train_step, donate=True, cache_dir=cache_dir), StepPrograms(eval_step, donate=False, cache_dir=cache_dir)
 
 
 
@@ -98,6 +100,8 @@ class TrainResult:
     state: TrainState | None = field(default=None, repr=False, compare=False)
     # What run_training logged as the run's params (configs, data, sizes), for records.
     params: dict[str, Any] = field(default_factory=dict)
+    # Step programs this run compiled, loaded from the cache directory, or reused in-process.
+    programs: dict[str, int] = field(default_factory=dict)
 
 
 def metrics_hook(callback: Callable[[dict[str, Any], int], None], every: int = 1) -> Hook:
@@ -114,11 +118,14 @@ def checkpoint_hook(ckpt: Checkpointer, meta: dict[str, Any], every: int) -> Hoo
     return Hook(save, every, "checkpoint")
 
 
-def evaluate_loss(state: TrainState, plan: BatchSource, mesh: Mesh | None = None) -> dict[str, float]:
+def evaluate_loss(
+    state: TrainState, plan: BatchSource, mesh: Mesh | None = None, step_fn: StepPrograms | None = None
+) -> dict[str, float]:
     """Token-weighted loss over every row of ``plan`` (one device fetch at the end)."""
+    step_fn = step_fn or StepPrograms(eval_step, donate=False, cache_dir=None)
     loss_sum, tokens = 0.0, 0.0
     for batch in plan.eval_batches():
-        out = _eval_step(state, shard_batch(batch, mesh) if mesh is not None else batch)
+        out = step_fn(state, shard_batch(batch, mesh) if mesh is not None else batch)
         loss_sum, tokens = loss_sum + out["loss_sum"], tokens + out["tokens"]
     loss_sum, tokens = (float(x) for x in jax.device_get((loss_sum, tokens)))
     return {"val_loss": loss_sum / tokens if tokens else float("nan"), "val_tokens": tokens}
@@ -242,10 +249,11 @@ def train(
     history: list[dict[str, Any]] = []
     window = _Window()
     bar = _Progress(progress, start_step, total)
+    train_fn, eval_fn = _programs(train_cfg.compilation_cache_dir)
     try:
         for step in range(start_step + 1, total + 1):
             batch = plan.batch(step - 1)
-            state, metrics = _train_step(state, shard_batch(batch, mesh) if mesh is not None else batch)
+            state, metrics = train_fn(state, shard_batch(batch, mesh) if mesh is not None else batch)
             window.add(step, metrics, int(np.prod(np.shape(batch["inputs"]))))
             bar.advance()
             due = [h for h in hooks if h.due(step, total)]
@@ -254,7 +262,7 @@ def train(
                 continue
             record = window.close(step, first=not history)
             if validate:
-                record.update(evaluate_loss(state, val_plan, mesh))
+                record.update(evaluate_loss(state, val_plan, mesh, eval_fn))
             info = StepInfo(step, state, MappingProxyType(record))
             for hook in due:
                 hook.fn(info)
@@ -262,7 +270,10 @@ def train(
             bar.report(step, total, record)
     finally:
         bar.close()
-    return window.result(history, max(total, start_step), state)
+    log.info("train step programs: %(compiled)d compiled, %(loaded)d loaded, %(reused)d reused", train_fn.stats)
+    result = window.result(history, max(total, start_step), state)
+    result.programs = {f"train_{k}": v for k, v in train_fn.stats.items()} | {f"eval_{k}": v for k, v in eval_fn.stats.items()}
+    return result
 
 
 def _summarise(step: int, window: list[tuple[int, dict[str, float]]], tokens: int, dt: float) -> dict[str, Any]:
