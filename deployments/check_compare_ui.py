@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [r.info.run_name for r in runs]
     probes = {**{f"run {n}": n for n in names}, "param train.steps": "train.steps", "param lora.rank": "lora.rank",
               "metric base_exact_match": "base_exact_match", "metric base/val_loss": "base/val_loss"}
+    if args.parent:  # children carry more metric keys: base_exact_match sorts below the rendered rows
+        probes.pop("metric base_exact_match")
+        probes["metric base/loss"] = "base/loss"
     shown = {label: text in dom for label, text in probes.items()}
     report = {"url": url, "runs": ids, "same_param_keys": same_params, "same_metric_keys": same_metrics,
               "n_params": len(a.data.params), "n_metrics": len(a.data.metrics), "shown_in_page": shown,

@@ -274,9 +274,11 @@ def test_data_add_starts_runs_by_itself(
     assert trained, "no version trained on everything that landed"
 
 
-def test_sweep_deployment_parent_and_children(stack: dict[str, str], tiny_flow_params: dict[str, Any],
-                                              tmp_path: Path) -> None:  # fmt: skip
+def test_sweep_deployment_parent_and_children(stack: dict[str, str], first_run: subprocess.CompletedProcess[str],
+                                              tiny_flow_params: dict[str, Any], tmp_path: Path) -> None:  # fmt: skip
     from mlflow.tracking import MlflowClient
+
+    assert first_run.returncode == 0  # a champion for the best trial to face
 
     params = {"base": tiny_flow_params, "n_trials": 4, "sampler": "grid", "n_jobs": 2,
               "space": {"lora.rank": {"type": "categorical", "choices": [2, 4, 0, 8]}}}  # rank 0 fails on purpose
