@@ -6,7 +6,8 @@
 Saves the model as the pyfunc model the flow registers (needle/serve/pyfunc.py), serves it on a
 free 127.0.0.1 port (``--env-manager local``, one uvicorn worker), then measures: one client
 sending requests one after another (latency p50/p95, table shape, one query each), four
-concurrent clients (requests/s), and in-process constrained vs free decoding rows/s on held-out
+concurrent clients (requests/s; the server batches rows that arrive during a decode,
+needle/serve/engine.py), each after an unmeasured warm-up that compiles the shapes, and in-process constrained vs free decoding rows/s on held-out
 rows of data/sample/new.jsonl (the second, warm pass of each). ``--model`` defaults to the newest
 tuned model under .state/runs (the main job's); without one it uses a random-init ``small``
 model and says so in the JSON.
@@ -208,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError((tmp / "serve.log").read_text()[-2000:])
                 time.sleep(0.5)
         start_s = time.perf_counter() - started
+        # Warm-up, not measured: compile the decode shapes of one row and of batched concurrent rows.
         for body in bodies[:3]:
-            _post(f"{url}/invocations", body)  # warm-up: compile the decode shapes
+            _post(f"{url}/invocations", body)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda b: _post(f"{url}/invocations", b), bodies))
         single = [_post(f"{url}/invocations", b) for b in bodies]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(4) as pool:

@@ -111,7 +111,8 @@ def run_evaluate_cli(model_dir: str, data_source: str, out_dir: str | None, max_
     default = Path("eval") if is_registry_uri(model_dir) else Path(local_dir).absolute().parent / "eval"
     target = Path(out_dir) if out_dir else default
     paths = write_report(result, target)
-    print(format_table(side_by_side(result.metrics)))
+    timing = {"rows_per_s": result.rows_per_s, "tokens_per_s": result.tokens_per_s}
+    print(format_table(side_by_side({**result.metrics, **timing})))
     line = f"{result.metrics['n']} rows in {result.wall_s:.1f} s ({result.rows_per_s:.1f} rows/s decoding"
     if result.metrics.get("constrained_rows_per_s") is not None:
         line += f" free, {result.metrics['constrained_rows_per_s']:.1f} rows/s constrained"

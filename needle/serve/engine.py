@@ -7,6 +7,12 @@
 query, a prompt too long for the context, a schema the grammar cannot take) gets its error
 without stopping the others.
 
+Concurrent callers (the scoring server runs each request in a thread) are batched: while one
+decode runs, newly arrived rows queue; the next caller to find the decoder idle decodes every
+queued row (up to ``batch_size``, constrained and free rows together: matchers are per row) and
+hands each caller its own results. Four concurrent one-query clients thus share one decode
+instead of waiting for four.
+
     p = Predictor(load_model("runs/tuned/model"))
     p.predict([("turn on the lights", tools)], constrained=True)
 """
@@ -53,7 +59,9 @@ class Predictor:
         self.budget = prompt_budget(self.model, self.cfg.max_new_tokens)
         self._constraints: Any = None
         self._constraints_error: str | None = None
-        self._lock = threading.Lock()  # one decode at a time: the CPU is shared anyway
+        self._cv = threading.Condition()  # guards the queue and the busy flag (module doc)
+        self._queue: list[_Pending] = []
+        self._busy = False
 
     def constraints(self) -> Any:
         """The model's ``Constraints`` (built once), or None when its format has no grammar."""
@@ -98,14 +106,11 @@ class Predictor:
                                f"max_new_tokens={self.cfg.max_new_tokens}")  # fmt: skip
         if not fits:
             return out
-        with self._lock:
-            gen = generate_detailed(
-                self.model, self.loaded.params, [p for _, p, _ in fits], max_new_tokens=self.cfg.max_new_tokens,
-                end_id=self.tok.stop_ids, pad_id=self.tok.pad_id, batch_size=self.cfg.batch_size,
-                matchers=[m for _, _, m in fits] if cons is not None else None, constraints=cons,
-            )  # fmt: skip
+        pending = [_Pending(p, m) for _, p, m in fits]
+        self._decode_batched(pending)
         end_name = self.tok.decode([self.tok.end_id])
-        for (i, _, _), ids, finished in zip(fits, gen.ids, gen.finished):
+        for (i, _, _), done in zip(fits, pending):
+            ids, finished = done.ids, done.finished
             text = self.tok.decode(ids)
             parsed = self.fmt.parse(text)
             if parsed.ok:
@@ -114,3 +119,50 @@ class Predictor:
                 why = parsed.error if finished else f"no {end_name} within {self.cfg.max_new_tokens} tokens; {parsed.error}"
                 out[i] = error(why, text)
         return out
+
+    def _decode_batched(self, pending: list["_Pending"]) -> None:
+        """Decode ``pending`` rows, together with whatever other callers queued meanwhile."""
+        with self._cv:
+            self._queue.extend(pending)
+        while True:
+            with self._cv:
+                while self._busy and not all(p.ready for p in pending):
+                    self._cv.wait()
+                if all(p.ready for p in pending):
+                    break
+                self._busy = True  # this caller decodes the queue's head for everyone
+                size = self.cfg.batch_size
+                batch, self._queue = self._queue[:size], self._queue[size:]
+            try:
+                matchers = [p.matcher for p in batch]
+                constrained = any(m is not None for m in matchers)
+                gen = generate_detailed(
+                    self.model, self.loaded.params, [p.prompt for p in batch], max_new_tokens=self.cfg.max_new_tokens,
+                    end_id=self.tok.stop_ids, pad_id=self.tok.pad_id, batch_size=size,
+                    matchers=matchers if constrained else None, constraints=self._constraints if constrained else None,
+                )  # fmt: skip
+                for p, ids, finished in zip(batch, gen.ids, gen.finished):
+                    p.ids, p.finished, p.ready = ids, finished, True
+            except Exception as exc:  # noqa: BLE001  # every waiting caller gets the error, none hangs
+                for p in batch:
+                    p.error, p.ready = exc, True
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        for p in pending:
+            if p.error is not None:
+                raise p.error
+
+
+class _Pending:
+    """One row waiting for the batched decoder, and its result."""
+
+    __slots__ = ("prompt", "matcher", "ids", "finished", "ready", "error")
+
+    def __init__(self, prompt: list[int], matcher: Any) -> None:
+        self.prompt, self.matcher = prompt, matcher
+        self.ids: list[int] = []
+        self.finished = False
+        self.ready = False
+        self.error: Exception | None = None

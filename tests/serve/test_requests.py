@@ -56,3 +56,46 @@ def test_chat_without_calls_and_bad_chat_bodies() -> None:
     failing = FakePredictor({"error": "prompt has 900 tokens", "raw": ""})
     out = answer(failing, {"messages": [{"role": "user", "content": "hi"}], "tools": []}, {})
     assert out["error"]["type"] == "invalid_request_error" and "900" in out["error"]["message"]
+
+
+def test_concurrent_callers_share_one_decode(monkeypatch, tiny_model_dir) -> None:
+    import threading
+
+    import needle.serve.engine as engine
+    from needle.eval.decode import Generation
+    from needle.model.io import load_model
+
+    calls, gate = [], threading.Event()
+
+    def fake_generate(model, params, prompts, **kw):
+        calls.append(len(prompts))
+        gate.wait(5)  # hold the first decode until the other callers have queued
+        return Generation([[7]] * len(prompts), [True] * len(prompts), len(prompts))
+
+    monkeypatch.setattr(engine, "generate_detailed", fake_generate)
+    predictor = engine.Predictor(load_model(tiny_model_dir))
+    results: list = [None] * 4
+
+    def call(i: int) -> None:
+        results[i] = predictor.predict([(f"query {i}", [TOOL])], constrained=False)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    threads[0].start()
+    _wait_for(lambda: calls)
+    for t in threads[1:]:
+        t.start()
+    _wait_for(lambda: len(predictor._queue) == 3)  # noqa: SLF001
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert calls == [1, 3]  # the first alone, the three that queued meanwhile together
+    assert all(r is not None and len(r) == 1 for r in results)
+
+
+def _wait_for(condition, seconds: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
