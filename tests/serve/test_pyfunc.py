@@ -85,7 +85,6 @@ def _post(url: str, body: bytes | dict) -> tuple[int, object]:
         return exc.code, json.loads(exc.read() or b"null")
 
 
-@pytest.mark.slow
 def test_mlflow_models_serve_answers_both_shapes_and_survives_bad_requests(champion: dict) -> None:
     port = _free_port()
     cmd = [str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m", "models:/needle@champion",
