@@ -28,6 +28,7 @@ from needle import pipeline
 from needle.data.prepare import TOKENIZER_SUBDIR
 from needle.mlflow_tracker import HEARTBEAT_TAG, MlflowTracker, check_tracking, tracking_reachable
 from needle.mlflow_tracker import upload_pending_metrics
+from needle.serve.pyfunc import log_pyfunc_to_run
 from needle.tracking import Tracker, redact_uri
 
 LOCAL_EXPERIMENT = "needle-local"
@@ -233,7 +234,7 @@ def record_results(run: MlflowRun, tracker: Tracker, base: pipeline.Base, prepar
     histories = {"tuned": tuned.history}
     if base.record and base.record.get("history"):
         histories["base"] = base.record["history"]
-    __import__("needle.serve.pyfunc").serve.pyfunc.log_pyfunc_to_run(run.client, run.run_id, tuned.model_dir)  # "model": MLflow pyfunc + needle dir
+    log_pyfunc_to_run(run.client, run.run_id, tuned.model_dir)  # "model": an MLflow pyfunc that is a needle dir too
     for fmt, path in exports.items():
         tracker.log_artifact(path, f"export/{fmt}")  # export/hf (transformers), export/peft (adapter)
     tracker.log_artifact(Path(prepared.directory) / TOKENIZER_SUBDIR, "tokenizer")
