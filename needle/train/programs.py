@@ -11,6 +11,11 @@ batch's tree, shapes, dtypes and shardings, the JAX/jaxlib/flax/optax versions, 
 ``XLA_FLAGS``, and the source of the ``needle`` package (any code change is a new key). A file
 that fails to load is compiled again and overwritten.
 
+Not used by the training loop: on the CPU backend an executable saved by one process and
+loaded in another failed at its first run ("NOT_FOUND: Function bitcast_copy_fusion.1 not
+found"), an error no load-time check catches. Without ``cache_dir`` this is a plain
+once-per-signature compile, which the loop uses.
+
     step = StepPrograms(train_step, donate=True, cache_dir=".cache/jax")
     state, metrics = step(state, batch)          # compiled (or loaded) once per batch signature
     step.stats                                   # {"compiled": 1, "loaded": 0, ...}
