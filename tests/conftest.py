@@ -10,6 +10,15 @@ import pytest
 BAD_LINE = 3
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_needle_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tests never read or fill the user's ~/.cache/needle (prepared data, registry downloads):
+    a cache hit from another session would carry that session's file paths."""
+    import os
+
+    os.environ["NEEDLE_CACHE_DIR"] = str(tmp_path_factory.mktemp("needle-cache"))
+
+
 @pytest.fixture(scope="session")
 def sample_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A few rows of the synthetic base and new-tool datasets (tiny models train in seconds)."""

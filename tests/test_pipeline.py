@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_training_configs_merge_defaults_dicts_and_shortcuts_once() -> None:
     train, optim = training_configs("lora")
-    assert (train.mode, train.steps, train.batch_size, optim.lr, optim.warmup_steps) == ("lora", 600, 32, 5e-3, 20)
+    assert (train.mode, train.steps, train.batch_size, optim.lr, optim.warmup_steps) == ("lora", 600, 16, 5e-3, 20)
     train, optim = training_configs("scratch", steps=7, seed=3, train={"steps": 9, "log_every": 2}, optim={"lr": 1e-4})
     assert (train.steps, train.seed, train.log_every, optim.lr, optim.warmup_steps) == (7, 3, 2, 1e-4, 50)
     assert training_configs("full", train={"steps": 9})[0].steps == 9
