@@ -83,9 +83,16 @@ def _last_failed_message(env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def first_run(stack: dict[str, str], tiny_flow_params: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+def first_params(tiny_flow_params: dict[str, Any]) -> dict[str, Any]:
+    """The first run's inputs: 40 steps each, so that it does real work even when compiled
+    programs are cached on disk (4 tiny steps then take seconds, as long as a skip's bookkeeping)."""
+    return {**tiny_flow_params, "base_steps": 40, "steps": 40}
+
+
+@pytest.fixture(scope="module")
+def first_run(stack: dict[str, str], first_params: dict[str, Any]) -> subprocess.CompletedProcess[str]:
     """The module's first deployment run: trains the auto base and the LoRA, becomes champion."""
-    return _run_deployment(stack, tiny_flow_params)
+    return _run_deployment(stack, first_params)
 
 
 _RUNS_SCRIPT = (
@@ -154,7 +161,7 @@ def test_deployment_trains_tracks_registers_and_fails_cleanly(
     assert run.data.tags["backend"] == "cpu" and run.data.tags["prefect.deployment"] == "finetune"
     assert run.data.params["lora.rank"] == "16" and run.data.params["model.preset"] == "tiny"
     assert "optim.lr" in run.data.params
-    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 41))
     assert "tuned_exact_match" in run.data.metrics and "base_valid_call_rate" in run.data.metrics
     versions = client.search_model_versions("name = 'needle'")
     assert [v.run_id for v in versions] == [run.info.run_id]
@@ -169,7 +176,7 @@ def test_deployment_trains_tracks_registers_and_fails_cleanly(
 
 
 def test_unchanged_data_is_skipped_fast(
-    stack: dict[str, str], first_run: subprocess.CompletedProcess[str], tiny_flow_params: dict[str, Any]
+    stack: dict[str, str], first_run: subprocess.CompletedProcess[str], first_params: dict[str, Any]
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -179,7 +186,7 @@ def test_unchanged_data_is_skipped_fast(
     (first,) = client.search_runs([exp.experiment_id], "tags.decision = 'promoted: no champion yet'")
     n_versions = len(client.search_model_versions("name = 'needle'"))
     started = time.perf_counter()
-    again = _run_deployment(stack, tiny_flow_params)
+    again = _run_deployment(stack, first_params)
     watch_s = time.perf_counter() - started
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     (skipped,) = client.search_runs([exp.experiment_id], "tags.decision = 'skipped: data unchanged'")
@@ -194,14 +201,14 @@ def test_unchanged_data_is_skipped_fast(
 
 
 def test_losing_challenger_keeps_the_champion(stack: dict[str, str], first_run: subprocess.CompletedProcess[str],
-                                              tiny_flow_params: dict[str, Any], tmp_path: Path) -> None:  # fmt: skip
+                                              first_params: dict[str, Any], tmp_path: Path) -> None:  # fmt: skip
     from mlflow.tracking import MlflowClient
 
     assert first_run.returncode == 0
     client = MlflowClient(tracking_uri=stack["MLFLOW_TRACKING_URI"])
     champion = client.get_model_version_by_alias("needle", "champion")
     # Forced (same inputs), under a rule no model can pass: it must lose.
-    lost = _run_deployment(stack, {**tiny_flow_params, "force": True, "gate": {"margin": 1.0}})
+    lost = _run_deployment(stack, {**first_params, "force": True, "gate": {"margin": 1.0}})
     assert lost.returncode == 0, lost.stdout[-3000:] + lost.stderr[-3000:]
     challenger = client.get_model_version_by_alias("needle", "challenger")
     assert str(client.get_model_version_by_alias("needle", "champion").version) == str(champion.version)
@@ -216,7 +223,7 @@ def test_losing_challenger_keeps_the_champion(stack: dict[str, str], first_run: 
     run_id = challenger.run_id
     assert {"gate_challenger_exact_match", "gate_champion_exact_match"} <= set(client.get_run(run_id).data.metrics)
     # Trained afresh, not resumed from the finished folder of the same inputs.
-    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 4]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == list(range(1, 41))
     decision = json.loads(Path(client.download_artifacts(run_id, "gate/decision.json", str(tmp_path))).read_text())
     assert decision["champion_version"] == str(champion.version) and not decision["promote"]
     table = json.loads(_artifact(stack, "needle-gate"))
