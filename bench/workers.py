@@ -55,14 +55,13 @@ def task_compile(spec: dict[str, Any]) -> dict[str, Any]:
 
     from bench.steps import build_state, make_plan
 
-    # As the library's loop does: the persistent XLA cache (saved executables stay off, see
-    # needle/train/programs.py).
+    # As the library's loop does: the persistent XLA cache, one program per shape.
     enable_compilation_cache(spec["cache_dir"])
     _, tok, prepared = _inputs(spec)
     state, model_cfg = build_state(spec["preset"], spec["mode"], tok, 10, spec.get("batch_size", 16))
     plan = make_plan(prepared, tok, model_cfg, spec["mode"], spec.get("batch_size", 16))
     batch = plan.batch(0)
-    step_fn = StepPrograms(train_step, donate=True, cache_dir=None)
+    step_fn = StepPrograms(train_step, donate=True)
     t0 = time.perf_counter()
     state, metrics = step_fn(state, batch)
     jax.block_until_ready(metrics)

@@ -41,13 +41,9 @@ log = logging.getLogger(__name__)
 
 # Compiled once per batch shape and state layout (packed plans have one shape; JAX's persistent
 # cache, enabled by run_training, serves a warm process); the state is donated so the update
-# happens in place. Saved executables (programs.py with a cache_dir) stay off: on the CPU backend
-# an executable loaded in a fresh process failed at run time ("NOT_FOUND: Function
-# bitcast_copy_fusion.1 not found") in the flow tests.
-def _programs(cache_dir: str | None) -> tuple[StepPrograms, StepPrograms]:
-    del cache_dir
-    return StepPrograms(train_step, donate=True, cache_dir=None), StepPrograms(eval_step, donate=False, cache_dir=None)
-
+# happens in place.
+def _programs() -> tuple[StepPrograms, StepPrograms]:
+    return StepPrograms(train_step, donate=True), StepPrograms(eval_step, donate=False)
 
 
 @dataclass(frozen=True)
@@ -103,7 +99,7 @@ class TrainResult:
     state: TrainState | None = field(default=None, repr=False, compare=False)
     # What run_training logged as the run's params (configs, data, sizes), for records.
     params: dict[str, Any] = field(default_factory=dict)
-    # Step programs this run compiled, loaded from the cache directory, or reused in-process.
+    # Step programs this run compiled, or reused from an earlier call in this process.
     programs: dict[str, int] = field(default_factory=dict)
 
 
@@ -125,7 +121,7 @@ def evaluate_loss(
     state: TrainState, plan: BatchSource, mesh: Mesh | None = None, step_fn: StepPrograms | None = None
 ) -> dict[str, float]:
     """Token-weighted loss over every row of ``plan`` (one device fetch at the end)."""
-    step_fn = step_fn or StepPrograms(eval_step, donate=False, cache_dir=None)
+    step_fn = step_fn or StepPrograms(eval_step, donate=False)
     loss_sum, tokens = 0.0, 0.0
     for batch in plan.eval_batches():
         out = step_fn(state, shard_batch(batch, mesh) if mesh is not None else batch)
@@ -252,7 +248,7 @@ def train(
     history: list[dict[str, Any]] = []
     window = _Window()
     bar = _Progress(progress, start_step, total)
-    train_fn, eval_fn = _programs(train_cfg.compilation_cache_dir)
+    train_fn, eval_fn = _programs()
     try:
         for step in range(start_step + 1, total + 1):
             batch = plan.batch(step - 1)
@@ -273,7 +269,7 @@ def train(
             bar.report(step, total, record)
     finally:
         bar.close()
-    log.info("train step programs: %(compiled)d compiled, %(loaded)d loaded, %(reused)d reused", train_fn.stats)
+    log.info("train step programs: %(compiled)d compiled, %(reused)d reused", train_fn.stats)
     result = window.result(history, max(total, start_step), state)
     result.programs = {f"train_{k}": v for k, v in train_fn.stats.items()} | {f"eval_{k}": v for k, v in eval_fn.stats.items()}
     return result

@@ -1,24 +1,23 @@
-"""Compiled train/eval steps kept on disk as executables, so a warm start skips tracing too.
+"""The train and eval steps compiled once per batch signature and reused within a process.
 
-JAX's persistent compilation cache (``needle.hardware.enable_compilation_cache``) skips XLA's
-compile, but a process still traces the step and lowers it to look the cache up: for needle's
-small models that is most of a cold first step. Here the compiled executable itself is
-serialised (``jax.experimental.serialize_executable``, the JAX-supported way to save a compiled
-program) under ``<cache_dir>/executables/<key>.pkl``, and a later process with the same key
-loads it without tracing. The key covers everything that decides the program: the step
+``StepPrograms`` jits a step (state donated for training), compiles it ahead of time for the
+first batch of each signature, and keeps the executable in memory under a content key: the step
 function, the model and optimizer (the state's static fields, by value), the state's and the
 batch's tree, shapes, dtypes and shardings, the JAX/jaxlib/flax/optax versions, the devices,
-``XLA_FLAGS``, and the source of the ``needle`` package (any code change is a new key). A file
-that fails to load is compiled again and overwritten.
+``XLA_FLAGS`` and the source of the ``needle`` package. A second ``train`` call in the same
+process with the same key (a resume, the next phase of the same shapes) reuses the program.
+Across processes, JAX's persistent compilation cache (``needle.hardware.enable_compilation_cache``)
+skips XLA's compile; tracing and lowering remain.
 
-Not used by the training loop: on the CPU backend an executable saved by one process and
-loaded in another failed at its first run ("NOT_FOUND: Function bitcast_copy_fusion.1 not
-found"), an error no load-time check catches. Without ``cache_dir`` this is a plain
-once-per-signature compile, which the loop uses.
+Compiled executables are not written to disk: serialising them
+(``jax.experimental.serialize_executable``) goes through pickle, and on the CPU backend an
+executable saved by one process failed at its first run in another ("NOT_FOUND: Function
+bitcast_copy_fusion.1 not found"), an error no load-time check catches. Both reasons are why
+the earlier on-disk variant was removed.
 
-    step = StepPrograms(train_step, donate=True, cache_dir=".cache/jax")
-    state, metrics = step(state, batch)          # compiled (or loaded) once per batch signature
-    step.stats                                   # {"compiled": 1, "loaded": 0, ...}
+    step = StepPrograms(train_step, donate=True)
+    state, metrics = step(state, batch)          # compiled once per batch signature
+    step.stats                                   # {"compiled": 1, "reused": 0}
 """
 
 from __future__ import annotations
@@ -26,16 +25,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import logging
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-log = logging.getLogger(__name__)
 _PACKAGE = Path(__file__).resolve().parents[1]
 _CODE_DIGEST: list[str] = []
 
@@ -84,15 +80,14 @@ _MEMORY: dict[str, Any] = {}
 
 
 class StepPrograms:
-    """``fn(state, batch)`` jitted, compiled once per batch signature, saved and loaded as an
-    executable. One instance serves one state layout (one ``train`` call)."""
+    """``fn(state, batch)`` jitted and compiled once per batch signature. One instance serves one
+    state layout (one ``train`` call)."""
 
-    def __init__(self, fn: Callable[..., Any], *, donate: bool, cache_dir: str | None) -> None:
+    def __init__(self, fn: Callable[..., Any], *, donate: bool) -> None:
         self._fn = fn
         self._jitted = jax.jit(fn, donate_argnums=0) if donate else jax.jit(fn)
-        self._dir = Path(cache_dir) / "executables" if cache_dir else None
         self._programs: dict[Any, Any] = {}
-        self.stats = {"compiled": 0, "loaded": 0, "reused": 0}
+        self.stats = {"compiled": 0, "reused": 0}
 
     def __call__(self, state: Any, batch: Any) -> Any:
         # Shapes and dtypes only: one instance serves one train call, whose shardings are fixed.
@@ -108,30 +103,6 @@ class StepPrograms:
         if key in _MEMORY:
             self.stats["reused"] += 1
             return _MEMORY[key]
-        _MEMORY[key] = program = self._load_or_compile(key, state, batch)
-        return program
-
-    def _load_or_compile(self, key: str, state: Any, batch: Any) -> Any:
-        if self._dir is None:
-            self.stats["compiled"] += 1
-            return self._jitted.lower(state, batch).compile()
-        from jax.experimental import serialize_executable
-
-        path = self._dir / f"{key}.pkl"
-        if path.exists():
-            try:
-                program = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
-                self.stats["loaded"] += 1
-                return program
-            except Exception as err:  # a damaged or incompatible file: compile again
-                log.warning("could not load the compiled %s from %s (%s); compiling again", self._fn.__name__, path, err)
-        program = self._jitted.lower(state, batch).compile()
         self.stats["compiled"] += 1
-        try:
-            self._dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.write_bytes(pickle.dumps(serialize_executable.serialize(program)))
-            tmp.replace(path)
-        except Exception as err:  # a read-only cache or an unserialisable program: run without saving
-            log.warning("could not save the compiled %s to %s: %s", self._fn.__name__, path, err)
+        _MEMORY[key] = program = self._jitted.lower(state, batch).compile()
         return program
