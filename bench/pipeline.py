@@ -146,8 +146,12 @@ def measure_deployment(base: Path, steps: int) -> dict[str, Any]:
             run = ["prefect", "deployment", "run", "needle/finetune", "--param", f"params={json.dumps(params)}"]
             # Warm-up run: the worker, server and the prepared-data cache are now warm.
             subprocess.run([*run, "--watch"], env=env, check=True, capture_output=True, cwd=REPO)
+            # The measured run has the same inputs, so it must be forced: unforced, it would end
+            # as "skipped: data unchanged" without a training step (flows/finetune.py).
+            forced = ["prefect", "deployment", "run", "needle/finetune", "--param",
+                      f"params={json.dumps({**params, 'force': True})}"]  # fmt: skip
             t0 = time.time()
-            out = subprocess.run(run, env=env, check=True, capture_output=True, text=True, cwd=REPO).stdout
+            out = subprocess.run(forced, env=env, check=True, capture_output=True, text=True, cwd=REPO).stdout
             flow_run_id = next(w for line in out.splitlines() if "UUID" in line for w in line.split()
                                if len(w) == 36 and w.count("-") == 4)
             _, first_step = _first_step_time(env["MLFLOW_TRACKING_URI"], int(t0 * 1000) - 1000, 900)
