@@ -10,7 +10,7 @@ export JAX_PLATFORMS ?= cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: run test test-fast bench install clean
+.PHONY: run test test-fast bench serve install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run
+
+# The champion of the local store over HTTP: MLflow /invocations and OpenAI /v1/chat/completions.
+serve: $(STAMP)
+	MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/.state/mlflow.db} \
+	  $(PY) -m flows.cli serve models:/needle@champion --host 127.0.0.1 --port $${PORT:-5123}
 
 clean:
 	rm -rf .state .cache runs

@@ -96,6 +96,15 @@ def format_table(result: dict[str, Any]) -> str:
     if dv.get("status") == "ok":
         lines.append("devices: " + ", ".join(f"{n}: {_fmt(r.get('tokens_per_s'), ',.0f')} tok/s loss {_fmt(r.get('loss'), '.3f')}"
                                              for n, r in dv.get("by_count", {}).items()))
+    sv = result.get("serve", {})
+    if sv.get("status") == "ok":
+        for shape in ("table", "openai"):
+            r = sv.get(shape, {})
+            lines.append(f"serve {shape:<7}: p50/p95 {_fmt(r.get('latency_p50_s'), '.2f')}/{_fmt(r.get('latency_p95_s'), '.2f')} s, "
+                         f"4 clients {_fmt(r.get('concurrent_requests_per_s'), '.1f')} req/s")
+        dec = sv.get("decode", {})
+        lines.append(f"decode rows/s free {_fmt(dec.get('free_rows_per_s'), '.2f')}, constrained "
+                     f"{_fmt(dec.get('constrained_rows_per_s'), '.2f')}")
     lines.append("")
     for t in result.get("targets", []):
         lines.append(f"target {t['name']:<32} {t['op']} {t['threshold']:<6} value {_fmt(t['value'], '.3f'):>8}  {t['verdict']}")

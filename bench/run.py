@@ -9,7 +9,8 @@ utilisation, input wait), ``compile`` (cold vs warm persistent cache), ``needle_
 ``cactus`` (the real cactus-needle finetune_local in .cache/bench-venv), ``data_eval``,
 ``pipeline`` (MLflow logging share, and bench/pipeline.py: embedded flow vs bare library,
 ``prefect deployment run`` to first step),
-``devices`` (1/2/4/8 virtual CPU devices). ``--quick`` runs peak and one tiny train config
+``devices`` (1/2/4/8 virtual CPU devices), ``hf_load``, ``serve`` (bench/serve.py: `needle serve`
+latency and throughput, table shape and the OpenAI client, constrained vs free decoding). ``--quick`` runs peak and one tiny train config
 in-process (a smoke test). Every key is documented in docs/benchmark.md.
 """
 
@@ -30,7 +31,7 @@ from bench.fixtures import CACHE, REPO
 from bench.report import evaluate_targets, format_table
 
 SCHEMA_VERSION = 1
-SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load")
+SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load", "serve")
 CACTUS_ROWS = 400  # rows of new.jsonl for the cactus comparison (Needle scores 10 % of them)
 
 
@@ -186,6 +187,17 @@ def bench_hf_load() -> dict[str, Any]:
     return {"status": "ok", **json.loads(RESULTS.read_text())}
 
 
+def bench_serve() -> dict[str, Any]:
+    """bench/serve.py in its own process: the newest tuned ``small`` model (or a random one) served."""
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        target = Path(tmp) / "serve.json"
+        done = subprocess.run([sys.executable, "-m", "bench.serve", "--out", str(target)], cwd=REPO,
+                              capture_output=True, text=True, timeout=1800)  # fmt: skip
+        if not target.exists():
+            return {"status": "failed", "error": f"bench.serve exited {done.returncode}: {done.stderr[-800:]}"}
+        return {"status": "ok", **json.loads(target.read_text())}
+
+
 def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> dict[str, Any]:
     result: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": dt.datetime.now().isoformat(timespec="seconds"),
                               "quick": quick, "machine": machine_info()}
@@ -212,6 +224,8 @@ def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> 
             result["devices"] = bench_devices()
         if "hf_load" in sections:
             result["hf_load"] = bench_hf_load()
+        if "serve" in sections:
+            result["serve"] = bench_serve()
     if skip_cactus:
         result["cactus"] = {"status": "skipped", "reason": "--skip-cactus"}
     result["machine"]["loadavg_end"] = _load()

@@ -1,13 +1,16 @@
-"""Serving speed: a needle model behind `mlflow models serve`, measured with a real HTTP client.
+"""Serving speed: a needle model behind `needle serve`, measured with real HTTP clients.
 
-    python -m bench.serve [--model DIR] [--requests 30] [--eval-rows 100] [--out bench/results/serve.json]
+    python -m bench.serve [--model DIR|URI] [--requests 30] [--eval-rows 100] [--out bench/results/serve.json]
     python -m bench.serve --libs      # llguidance vs xgrammar vs outlines-core, whichever are installed
 
-Saves the model as the pyfunc model the flow registers (needle/serve/pyfunc.py), serves it on a
-free 127.0.0.1 port (``--env-manager local``, one uvicorn worker), then measures: one client
-sending requests one after another (latency p50/p95, table shape, one query each), four
+Saves the model as the pyfunc model the flow registers (needle/serve/pyfunc.py), serves it with
+`needle serve` (MLflow's own scoring app, so ``/invocations`` is what `mlflow models serve`
+answers, plus the OpenAI route) on a free 127.0.0.1 port, then measures for each request shape
+(table on ``/invocations`` with urllib; chat on ``/v1/chat/completions`` with the OpenAI client
+library): one client sending requests one after another (latency p50/p95, one query each), four
 concurrent clients (requests/s; the server batches rows that arrive during a decode,
-needle/serve/engine.py), each after an unmeasured warm-up that compiles the shapes, and in-process constrained vs free decoding rows/s on held-out
+needle/serve/engine.py), each after an unmeasured warm-up that compiles the shapes; and
+in-process constrained vs free decoding rows/s on held-out
 rows of data/sample/new.jsonl (the second, warm pass of each). ``--model`` defaults to the newest
 tuned model under .state/runs (the main job's); without one it uses a random-init ``small``
 model and says so in the JSON.
@@ -28,6 +31,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,10 +171,101 @@ def compare_libs(n_sets: int = 32) -> dict:
     return out
 
 
+def _start_server(pyfunc_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str, float]:
+    """`needle serve` (MLflow's scoring app plus the OpenAI route) on a free port; (process, url, start s)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "needle.cli", "serve", str(pyfunc_dir), "--host", "127.0.0.1", "--port", str(port)]
+    log = open(log_path, "w")
+    started = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/ping", timeout=5):
+                return server, url, time.perf_counter() - started
+        except OSError:
+            if server.poll() is not None or time.perf_counter() - started > 300:
+                _stop(server)
+                raise RuntimeError(log_path.read_text()[-2000:]) from None
+            time.sleep(0.5)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+            server.wait(timeout=20)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
+
+
+def _measure(post: Any, bodies: list[Any]) -> dict[str, float]:
+    """One client (p50/p95) then four concurrent clients (requests/s, p50/p95), each after a warm-up."""
+    for body in bodies[:3]:  # warm-up, not measured: the decode shapes of one row and of batched rows
+        post(body)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(post, bodies))
+    single = [post(b) for b in bodies]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        conc = list(pool.map(post, bodies))
+    conc_wall = time.perf_counter() - t0
+    return {"latency_p50_s": statistics.median(single), "latency_p95_s": _pct(single, 0.95),
+            "concurrent_clients": 4, "concurrent_requests_per_s": len(conc) / conc_wall,
+            "concurrent_latency_p50_s": statistics.median(conc), "concurrent_latency_p95_s": _pct(conc, 0.95)}  # fmt: skip
+
+
+def _openai_post(url: str) -> Any:
+    """A timed ``chat.completions.create`` of the real OpenAI client library (one client object per thread)."""
+    import threading
+
+    from openai import OpenAI
+
+    local = threading.local()
+
+    def post(body: dict) -> float:
+        if not hasattr(local, "client"):
+            local.client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        start = time.perf_counter()
+        local.client.chat.completions.create(model="needle", **body)
+        return time.perf_counter() - start
+
+    return post
+
+
+def serving_speed(model_dir: Path, n_requests: int, work: Path) -> dict:
+    """Both request shapes against `needle serve` of ``model_dir``: the table shape on MLflow's
+    ``/invocations`` (urllib) and the chat shape through the OpenAI client library."""
+    from needle.data.load import read_rows
+    from needle.serve.pyfunc import save_pyfunc
+
+    pyfunc_dir = save_pyfunc(model_dir, work / "pyfunc")
+    rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
+    picked = rows[-n_requests:]
+    table = [{"dataframe_records": [{"query": r.query, "tools": json.dumps(r.tools)}]} for r in picked]
+    chat = [{"messages": [{"role": "user", "content": r.query}],
+             "tools": [{"type": "function", "function": t} for t in r.tools]} for r in picked]  # fmt: skip
+    server, url, start_s = _start_server(pyfunc_dir, work / "serve.log")
+    try:
+        by_table = _measure(lambda b: _post(f"{url}/invocations", b), table)
+        by_chat = _measure(_openai_post(url), chat)
+    finally:
+        _stop(server)
+    return {"server": "needle serve (MLflow scoring app + /v1/chat/completions), one process",
+            "server_start_s": start_s, "requests": len(picked), "constrained": True,
+            "table": {"route": "/invocations", "client": "urllib, one query per request", **by_table},
+            "openai": {"route": "/v1/chat/completions", "client": "openai.OpenAI().chat.completions.create",
+                       **by_chat}}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--libs", action="store_true", help="compare the grammar libraries instead")
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="a needle model dir or models:/ URI (default: the newest under .state/runs)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--eval-rows", type=int, default=100)
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
@@ -178,65 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.libs:
         print(json.dumps(compare_libs(), indent=2))
         return 0
-    from needle.data.load import read_rows
-    from needle.serve.pyfunc import save_pyfunc
+    from needle.serve.pyfunc import local_model_dir
 
-    tmp = Path(tempfile.mkdtemp(prefix="needle-serve-"))
-    model_dir = Path(args.model) if args.model else _newest_model()
-    source = str(model_dir) if model_dir else "random-init small (no trained model found)"
+    work = Path(tempfile.mkdtemp(prefix="needle-serve-"))
+    model_dir = Path(local_model_dir(args.model)) if args.model else _newest_model()
+    source = args.model or (str(model_dir) if model_dir else "random-init small (no trained model found)")
     if model_dir is None:
-        model_dir = _random_small(tmp / "small")
-    pyfunc_dir = save_pyfunc(model_dir, tmp / "pyfunc")
-    rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
-    bodies = [{"dataframe_records": [{"query": r.query, "tools": json.dumps(r.tools)}]} for r in rows[-args.requests:]]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    cmd = [str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m", str(pyfunc_dir), "--env-manager",
-           "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
-    log = open(tmp / "serve.log", "w")
-    started = time.perf_counter()
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/ping", timeout=5):
-                    break
-            except OSError:
-                if server.poll() is not None or time.perf_counter() - started > 300:
-                    raise RuntimeError((tmp / "serve.log").read_text()[-2000:])
-                time.sleep(0.5)
-        start_s = time.perf_counter() - started
-        # Warm-up, not measured: compile the decode shapes of one row and of batched concurrent rows.
-        for body in bodies[:3]:
-            _post(f"{url}/invocations", body)
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda b: _post(f"{url}/invocations", b), bodies))
-        single = [_post(f"{url}/invocations", b) for b in bodies]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(4) as pool:
-            conc = list(pool.map(lambda b: _post(f"{url}/invocations", b), bodies))
-        conc_wall = time.perf_counter() - t0
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(server.pid, sig)
-                server.wait(timeout=20)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        log.close()
-    result = {
-        "model": source, "server": "mlflow models serve --env-manager local --workers 1", "server_start_s": start_s,
-        "requests": len(bodies), "shape": "table, one query per request, constrained",
-        "latency_p50_s": statistics.median(single), "latency_p95_s": _pct(single, 0.95),
-        "concurrent_clients": 4, "concurrent_requests_per_s": len(conc) / conc_wall,
-        "concurrent_latency_p50_s": statistics.median(conc), "concurrent_latency_p95_s": _pct(conc, 0.95),
-        "decode": decode_speed(model_dir, args.eval_rows),
-        "machine": f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%d"),
-    }  # fmt: skip
+        model_dir = _random_small(work / "small")
+    result = {"model": source, **serving_speed(model_dir, args.requests, work),
+              "decode": decode_speed(model_dir, args.eval_rows),
+              "machine": f"{os.cpu_count()} cores", "load_avg": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))

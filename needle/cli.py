@@ -5,6 +5,7 @@
     needle train data/sample/base.jsonl --mode scratch --preset small --out runs/base
     needle evaluate runs/tuned/model data/sample/new.jsonl
     needle predict runs/tuned/model --tools tools.json --query "turn on the kitchen lights"   # [--free]
+    needle serve models:/needle@champion --port 5001    # MLflow /invocations + OpenAI /v1/chat/completions
 
 The installed `needle` script is the shell's ``flows.cli:main``, which adds ``finetune`` (the
 Prefect flow) to this parser through ``main(argv, extensions)``; ``python -m needle.cli`` is the
@@ -151,6 +152,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return run_evaluate_cli(args.checkpoint, args.data, args.out, args.max_rows, constrained=not args.free_only)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from needle.serve.http import serve
+
+    serve(args.model, host=args.host, port=args.port)
+    return 0
+
+
 def _cmd_predict(args: argparse.Namespace) -> int:
     from needle.eval.predict import run_predict_cli
 
@@ -240,6 +248,12 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--free", action="store_true",
                    help="decode freely (default: constrained to the offered tools' schemas, needle/serve/constrain.py)")
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("serve", help="serve a model over HTTP: MLflow's /invocations and OpenAI's /v1/chat/completions")
+    p.add_argument("model", help="models:/needle@champion, runs:/ID/model, an MLflow model dir or a needle model dir")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=positive_int, default=5000)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("export", help="write a model as a Hugging Face model or a PEFT LoRA adapter")
     p.add_argument("model", help="needle model dir, models:/needle@champion, or a Hugging Face model dir")

@@ -12,7 +12,8 @@ unwrapped): ``messages`` with the user turn (the last ``user`` message is the qu
 "description", "parameters"}}]``); the answer is a ``chat.completion`` object whose message
 holds ``tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments": JSON
 string}}]``, ``finish_reason`` ``"tool_calls"``) or, with no call, ``content`` ``""`` and
-``finish_reason`` ``"stop"``. A request that cannot be served answers an ``error`` object
+``finish_reason`` ``"stop"``. ``tool_choice`` ``"none"`` offers no tool, a named function only
+that one (``"required"`` is taken as ``"auto"``: the grammar allows the empty list). A request that cannot be served answers an ``error`` object
 (``{"error": {"message", "type": "invalid_request_error"}}``) instead of failing the server.
 
 ``params`` (``{"params": {"constrained": false}}`` over HTTP, or a chat body's own
@@ -154,13 +155,28 @@ def _user_query(messages: Any) -> str:
     return content
 
 
+def _chosen(tools: list[Any], choice: Any) -> list[Any]:
+    """The tools ``tool_choice`` leaves: all (``auto``, ``required``, absent), none, or the named one."""
+    if choice is None or choice in ("auto", "required"):
+        return tools
+    if choice == "none":
+        return []
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise ValueError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+                         "\"function\": {\"name\": ...}}")
+    named = [t for t in tools if isinstance(t, dict) and t.get("name") == name]
+    if not named:
+        raise ValueError(f"tool_choice names {name!r}, which is not among the offered tools")
+    return named
+
+
 def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_name: str) -> dict[str, Any]:
     """An OpenAI ``chat.completion`` with ``tool_calls`` for one chat body (or an error object)."""
     try:
         query = _user_query(body.get(CHAT_KEY))
         tools = _tools_of(body.get("tools") if body.get("tools") is not None else [])
-        if body.get("tool_choice") == "none":
-            tools = []
+        tools = _chosen(tools, body.get("tool_choice"))
         constrained = _flag(body.get("constrained"), constrained)
     except ValueError as exc:
         return _chat_error(str(exc))

@@ -1,4 +1,5 @@
-"""The registered pyfunc model: loads in a fresh process, and `mlflow models serve` answers both request shapes."""
+"""The registered pyfunc model: loads in a fresh process; `mlflow models serve` answers both request shapes;
+`needle serve` also answers the OpenAI client library."""
 
 from __future__ import annotations
 
@@ -18,30 +19,6 @@ import pytest
 from needle.serve.pyfunc import EXAMPLE_TOOLS
 
 OPENAI_TOOLS = [{"type": "function", "function": EXAMPLE_TOOLS[0]}]
-
-
-@pytest.fixture(scope="module")
-def champion(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A SQLite MLflow store with the tiny model logged as pyfunc and registered as needle@champion."""
-    from mlflow.tracking import MlflowClient
-
-    from needle.serve.pyfunc import log_pyfunc_to_run
-
-    root = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment("serve", artifact_location=(root / "artifacts").as_uri())
-    run = client.create_run(exp)
-    log_pyfunc_to_run(client, run.info.run_id, tiny_model_dir)
-    client.set_terminated(run.info.run_id)
-    client.create_registered_model("needle")
-    # As needle.registry.register_version does: the version's source is <run artifacts>/model.
-    mv = client.create_model_version("needle", f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
-    client.set_registered_model_alias("needle", "champion", mv.version)
-    # The venv's bin first: `mlflow models serve` runs `uvicorn` from PATH.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = {**os.environ, "PATH": path, "MLFLOW_TRACKING_URI": uri, "NEEDLE_CACHE_DIR": str(root / "cache")}
-    return {"uri": uri, "root": str(root), "env": env}  # type: ignore[dict-item]
 
 
 def test_champion_loads_and_predicts_in_a_fresh_process(champion: dict) -> None:
@@ -93,17 +70,7 @@ def test_mlflow_models_serve_answers_both_shapes_and_survives_bad_requests(champ
     server = subprocess.Popen(cmd, env=champion["env"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/ping", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, (Path(champion["root"]) / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not answer /ping in 180 s"
-            time.sleep(1)
+        _wait_for_ping(server, base, Path(champion["root"]) / "serve.log")
         records = [{"query": "Text Bob that dinner is at 8", "tools": json.dumps(EXAMPLE_TOOLS)},
                    {"query": "Text Bob", "tools": '[{"name": "f", "parameters": {"type": "string"}}]'}]  # fmt: skip
         status, out = _post(f"{base}/invocations", {"dataframe_records": records})
@@ -149,3 +116,94 @@ def _stop_group(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
+
+
+def _wait_for_ping(server: subprocess.Popen, base: str, log: Path, limit_s: float = 180) -> None:
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/ping", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        assert server.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"server did not answer /ping in {limit_s:.0f} s"
+        time.sleep(1)
+
+
+def test_openai_client_talks_to_needle_serve(champion: dict) -> None:
+    """`needle serve`: the OpenAI client library's chat.completions.create works for a single turn,
+    answers what /invocations answers, and bad requests raise BadRequestError without harming the server."""
+    import jsonschema
+    import openai
+
+    port = _free_port()
+    log_path = Path(champion["root"]) / "needle-serve.log"
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "needle.cli", "serve", "models:/needle@champion", "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    server = subprocess.Popen(cmd, env=champion["env"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_ping(server, base, log_path)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="not-checked", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["needle"]
+
+        messages = [{"role": "user", "content": "Text Bob that dinner is at 8"}]
+        reply = client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS)
+        assert reply.object == "chat.completion" and len(reply.choices) == 1
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == ("tool_calls" if calls else "stop")
+        schema = EXAMPLE_TOOLS[0]["parameters"]
+        for call in calls:  # constrained: only the offered tool, arguments valid under its schema
+            assert call.type == "function" and call.function.name == "send_message"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        # The same request through MLflow's /invocations gives the same calls (one predict behind both).
+        status, via_mlflow = _post(f"{base}/invocations", {"messages": messages, "tools": OPENAI_TOOLS})
+        assert status == 200
+        mlflow_calls = via_mlflow["choices"][0]["message"].get("tool_calls") or []  # type: ignore[index]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in mlflow_calls] == \
+               [(c.function.name, c.function.arguments) for c in calls]  # fmt: skip
+
+        none = client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS, tool_choice="none")
+        assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "stop"
+
+        with pytest.raises(openai.BadRequestError, match="'nope', which is not among the offered tools"):
+            client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "nope"}})
+        with pytest.raises(openai.BadRequestError, match="stream is not supported"):
+            client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS, stream=True)
+        with pytest.raises(openai.BadRequestError, match="no user turn"):
+            client.chat.completions.create(model="needle", messages=[{"role": "system", "content": "x"}])
+        status, out = _post(f"{base}/v1/chat/completions", b"{not json")
+        assert status == 400 and "not JSON" in out["error"]["message"]  # type: ignore[index]
+
+        # Still serving, MLflow's table shape included.
+        records = [{"query": "Text Bob hi", "tools": json.dumps(EXAMPLE_TOOLS)}]
+        status, out = _post(f"{base}/invocations", {"dataframe_records": records})
+        assert status == 200 and out["predictions"][0]["error"] is None  # type: ignore[index]
+    finally:
+        _stop_group(server)
+        log.close()
+
+
+def test_serve_refuses_a_location_that_is_no_model(tmp_path: Path) -> None:
+    from needle.errors import UsageError
+    from needle.serve.http import load_pyfunc
+
+    with pytest.raises(UsageError, match="no such model directory or model URI"):
+        load_pyfunc(str(tmp_path / "missing"))
+    with pytest.raises(UsageError, match="neither an MLflow model"):
+        load_pyfunc(str(tmp_path))
+
+
+def test_serve_wraps_a_plain_needle_model_dir(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import pandas as pd
+
+    from needle.serve.http import load_pyfunc
+
+    model = load_pyfunc(str(tiny_model_dir), tmp_path)
+    out = model.predict(pd.DataFrame({"query": ["Text Bob hi"], "tools": [json.dumps(EXAMPLE_TOOLS)]}))
+    assert out["error"].tolist() == [None] and isinstance(json.loads(out["calls"][0]), list)

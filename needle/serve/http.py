@@ -1,0 +1,122 @@
+"""HTTP serving of a needle model: MLflow's scoring server plus the OpenAI chat route.
+
+    needle serve models:/needle@champion --port 5001          # or a run's model, or a model dir
+    curl -s 127.0.0.1:5001/v1/chat/completions -H 'Content-Type: application/json' \
+         -d '{"model": "needle", "messages": [{"role": "user", "content": "Text Bob hi"}], "tools": [...]}'
+
+    from openai import OpenAI
+    OpenAI(base_url="http://127.0.0.1:5001/v1", api_key="unused").chat.completions.create(...)
+
+The app is MLflow's own (``mlflow.pyfunc.scoring_server.init``), so ``/ping``, ``/health``,
+``/version`` and ``/invocations`` answer exactly as under ``mlflow models serve``; two routes
+are added, because OpenAI client libraries post to ``<base_url>/chat/completions`` and MLflow's
+server has only ``/invocations``:
+
+- ``POST /v1/chat/completions``: an OpenAI chat request (single turn: the last user message is
+  the query; ``tools`` in the function format; ``tool_choice`` ``auto``/``none``/a named function)
+  answered with a ``chat.completion`` whose message holds ``tool_calls``. Both go through the
+  pyfunc model's own ``predict`` (``needle.serve.requests.chat_answer``). A request that cannot
+  be served answers HTTP 400 with OpenAI's ``{"error": {...}}`` object (client libraries raise
+  ``BadRequestError``); the server keeps serving.
+- ``GET /v1/models``: the one model, so ``client.models.list()`` works.
+
+``stream: true`` and ``n > 1`` are refused with 400 (one constrained decode per request).
+FastAPI is imported at module level because the route handlers' annotations name its types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from needle.errors import UsageError
+
+CHAT_ROUTE = "/v1/chat/completions"
+MODELS_ROUTE = "/v1/models"
+
+
+def _error(message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+
+
+def refusal(body: Any) -> dict[str, Any] | None:
+    """OpenAI's error object for a chat body this server cannot take, or None."""
+    if not isinstance(body, dict):
+        return _error(f"the request body must be a JSON object, got {type(body).__name__}")
+    if "messages" not in body:
+        return _error("'messages' is a required property", "messages")
+    if body.get("stream"):
+        return _error("stream is not supported: send the request without 'stream'", "stream")
+    n = body.get("n")
+    if n not in (None, 1):
+        return _error("only n=1 is supported", "n")
+    return None
+
+
+def load_pyfunc(location: str, work_dir: str | Path | None = None) -> Any:
+    """The pyfunc model at ``location``: a ``models:/``/``runs:/`` URI, an MLflow model dir, or an
+    exported needle model dir (wrapped as a pyfunc model under ``work_dir`` first)."""
+    import mlflow.pyfunc
+
+    path = Path(location)
+    if path.is_dir() and not (path / "MLmodel").is_file():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{location}: neither an MLflow model (no MLmodel) nor a needle model directory "
+                             "(no config.json)")  # fmt: skip
+        from needle.serve.pyfunc import save_pyfunc
+
+        work = Path(work_dir or tempfile.mkdtemp(prefix="needle-serve-"))
+        path = save_pyfunc(path, work / "pyfunc")
+        location = str(path)
+    elif not path.exists() and ":/" not in location:
+        raise UsageError(f"{location}: no such model directory or model URI (models:/needle@champion, runs:/ID/model)")
+    return mlflow.pyfunc.load_model(location)
+
+
+def build_app(model: Any) -> Any:
+    """MLflow's scoring app for ``model`` (a loaded pyfunc of a needle model) with the OpenAI routes."""
+    from mlflow.pyfunc import scoring_server
+
+    app = scoring_server.init(model)
+    caller = model.unwrap_python_model()
+    name = str(getattr(caller, "name", None) or "needle")
+    created = int(time.time())
+
+    async def chat_completions(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return JSONResponse(_error(f"the request body is not JSON: {exc}"), status_code=400)
+        refused = refusal(body)
+        if refused is not None:
+            return JSONResponse(refused, status_code=400)
+        # The pyfunc's own predict (the chat shape of needle.serve.requests); a thread, so that
+        # concurrent requests meet in the predictor's batch.
+        answer = await asyncio.to_thread(caller.predict, None, body, {})
+        return JSONResponse(answer, status_code=400 if "error" in answer else 200)
+
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list",
+                             "data": [{"id": name, "object": "model", "created": created, "owned_by": "needle"}]})
+
+    app.post(CHAT_ROUTE)(chat_completions)
+    app.get(MODELS_ROUTE)(list_models)
+    return app
+
+
+def serve(location: str, host: str = "127.0.0.1", port: int = 5000) -> None:
+    """Load the model at ``location`` and serve it until interrupted (one process, requests batched)."""
+    import uvicorn
+
+    with tempfile.TemporaryDirectory(prefix="needle-serve-") as work:
+        app = build_app(load_pyfunc(location, work))
+        print(f"serving {location} on http://{host}:{port} (OpenAI base_url http://{host}:{port}/v1, "
+              f"MLflow /invocations)", flush=True)  # fmt: skip
+        uvicorn.run(app, host=host, port=port, log_level="warning")
