@@ -252,7 +252,7 @@ def _add_model_commands(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a model over HTTP: MLflow's /invocations and OpenAI's /v1/chat/completions")
     p.add_argument("model", help="models:/needle@champion, runs:/ID/model, an MLflow model dir or a needle model dir")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=positive_int, default=5000)
+    p.add_argument("--port", type=positive_int, default=5123, help="default 5123 (5000 is the MLflow UI's)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("export", help="write a model as a Hugging Face model or a PEFT LoRA adapter")

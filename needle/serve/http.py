@@ -111,7 +111,7 @@ def build_app(model: Any) -> Any:
     return app
 
 
-def serve(location: str, host: str = "127.0.0.1", port: int = 5000) -> None:
+def serve(location: str, host: str = "127.0.0.1", port: int = 5123) -> None:
     """Load the model at ``location`` and serve it until interrupted (one process, requests batched)."""
     import uvicorn
 
