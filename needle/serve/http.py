@@ -1,11 +1,11 @@
 """HTTP serving of a needle model: MLflow's scoring server plus the OpenAI chat route.
 
-    needle serve models:/needle@champion --port 5001          # or a run's model, or a model dir
-    curl -s 127.0.0.1:5001/v1/chat/completions -H 'Content-Type: application/json' \
+    needle serve models:/needle@champion --port 5123          # or a run's model, or a model dir
+    curl -s 127.0.0.1:5123/v1/chat/completions -H 'Content-Type: application/json' \
          -d '{"model": "needle", "messages": [{"role": "user", "content": "Text Bob hi"}], "tools": [...]}'
 
     from openai import OpenAI
-    OpenAI(base_url="http://127.0.0.1:5001/v1", api_key="unused").chat.completions.create(...)
+    OpenAI(base_url="http://127.0.0.1:5123/v1", api_key="unused").chat.completions.create(...)
 
 The app is MLflow's own (``mlflow.pyfunc.scoring_server.init``), so ``/ping``, ``/health``,
 ``/version`` and ``/invocations`` answer exactly as under ``mlflow models serve``; two routes
@@ -37,13 +37,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from needle.errors import UsageError
+from needle.serve.requests import chat_error as _error
 
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
-
-
-def _error(message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
 
 
 def refusal(body: Any) -> dict[str, Any] | None:

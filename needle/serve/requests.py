@@ -135,8 +135,9 @@ def _predict(predictor: Any, requests: list[tuple[Any, Any]], constrained: bool)
         return [{"error": f"internal error: {type(exc).__name__}: {exc}", "raw": ""}] * len(requests)
 
 
-def _chat_error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+def chat_error(message: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object (``invalid_request_error``)."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
 
 
 def _user_query(messages: Any) -> str:
@@ -179,10 +180,10 @@ def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_n
         tools = _chosen(tools, body.get("tool_choice"))
         constrained = _flag(body.get("constrained"), constrained)
     except ValueError as exc:
-        return _chat_error(str(exc))
+        return chat_error(str(exc))
     pred = _predict(predictor, [(query, tools)], constrained)[0]
     if isinstance(pred, dict):
-        return _chat_error(pred["error"])
+        return chat_error(pred["error"])
     calls = [
         {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
          "function": {"name": c["name"], "arguments": compact_json(c["arguments"])}}
