@@ -12,7 +12,7 @@ concurrent clients (requests/s; the server batches rows that arrive during a dec
 needle/serve/engine.py), each after an unmeasured warm-up that compiles the shapes; and
 in-process constrained vs free decoding rows/s on held-out
 rows of data/sample/new.jsonl (the second, warm pass of each). ``--model`` defaults to the newest
-tuned model under .state/runs (the main job's); without one it uses a random-init ``small``
+tuned model under .state/finetune (the main job's); without one it uses a random-init ``small``
 model and says so in the JSON.
 """
 
@@ -37,9 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _newest_model() -> Path | None:
-    """The newest tuned ``small`` model under .state/runs (the main job's), or None."""
+    """The newest tuned ``small`` model in the state dir's fine-tune folders (the main job's), or None."""
+    from flows.paths import state_dir
+
     found = []
-    for path in ROOT.glob(".state/runs/*/lora-*/model"):
+    # <state>/finetune/<mode>-<digest>/model since the fine-tune folder is keyed by its inputs;
+    # <state>/runs/<flow run>/lora-*/model before that.
+    for path in [*state_dir().glob("finetune/lora-*/model"), *state_dir().glob("runs/*/lora-*/model")]:
         try:
             if json.loads((path / "config.json").read_text()).get("preset") == "small":
                 found.append(path)
@@ -265,7 +269,7 @@ def serving_speed(model_dir: Path, n_requests: int, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--libs", action="store_true", help="compare the grammar libraries instead")
-    ap.add_argument("--model", default=None, help="a needle model dir or models:/ URI (default: the newest under .state/runs)")
+    ap.add_argument("--model", default=None, help="a needle model dir or models:/ URI (default: the newest under .state/finetune)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--eval-rows", type=int, default=100)
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
