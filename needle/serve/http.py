@@ -57,7 +57,7 @@ def refusal(body: Any) -> dict[str, Any] | None:
     return None
 
 
-def load_pyfunc(location: str, work_dir: str | Path | None = None) -> Any:
+def load_pyfunc(location: str, work_dir: str | Path) -> Any:
     """The pyfunc model at ``location``: a ``models:/``/``runs:/`` URI, an MLflow model dir, or an
     exported needle model dir (wrapped as a pyfunc model under ``work_dir`` first)."""
     import mlflow.pyfunc
@@ -69,8 +69,7 @@ def load_pyfunc(location: str, work_dir: str | Path | None = None) -> Any:
                              "(no config.json)")  # fmt: skip
         from needle.serve.pyfunc import save_pyfunc
 
-        work = Path(work_dir or tempfile.mkdtemp(prefix="needle-serve-"))
-        path = save_pyfunc(path, work / "pyfunc")
+        path = save_pyfunc(path, Path(work_dir) / "pyfunc")
         location = str(path)
     elif not path.exists() and ":/" not in location:
         raise UsageError(f"{location}: no such model directory or model URI (models:/needle@champion, runs:/ID/model)")

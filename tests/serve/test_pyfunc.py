@@ -194,9 +194,9 @@ def test_serve_refuses_a_location_that_is_no_model(tmp_path: Path) -> None:
     from needle.serve.http import load_pyfunc
 
     with pytest.raises(UsageError, match="no such model directory or model URI"):
-        load_pyfunc(str(tmp_path / "missing"))
+        load_pyfunc(str(tmp_path / "missing"), tmp_path)
     with pytest.raises(UsageError, match="neither an MLflow model"):
-        load_pyfunc(str(tmp_path))
+        load_pyfunc(str(tmp_path), tmp_path)
 
 
 def test_serve_wraps_a_plain_needle_model_dir(tiny_model_dir: Path, tmp_path: Path) -> None:
