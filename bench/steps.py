@@ -44,7 +44,7 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
     from needle.hardware import settings_for
     from needle.model import lora as lora_lib
-    from needle.model.transformer import Transformer
+    from needle.model.factory import module_for
     from needle.train.finetune import initial_params, make_apply_fn
     from needle.train.step import create_state
 
@@ -55,7 +55,7 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     model_cfg = model_preset(preset)
     params = initial_params(model_cfg, train_cfg, lora_cfg, base_dir, settings)
     trainable, frozen = lora_lib.split_trainable(params, mode)
-    model = Transformer(model_cfg, lora_cfg, settings)
+    model = module_for(model_cfg, lora_cfg, settings)
     state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), steps, seed=0)
     return state, model_cfg
 

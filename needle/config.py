@@ -22,7 +22,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-Arch = Literal["needle", "llama", "qwen2", "qwen3", "gemma3_text"]
+Arch = Literal["needle", "llama", "qwen2", "qwen3", "gemma3_text", "needle3"]
 LayerType = Literal["sliding_attention", "full_attention"]
 
 
@@ -34,6 +34,54 @@ class RopeScaling(_Strict):
     low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above orig/low are scaled fully")
     high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below orig/high are kept")
     original_max_len: int = Field(8192, gt=0, description="llama3: pretraining context length")
+
+
+class Needle3Config(_Strict):
+    """cactus-needle 3.2.8's ``TransformerConfig``, field for field (names and defaults as there).
+
+    A Needle 3 checkpoint carries this as JSON in its safetensors metadata; ``needle.model.needle3``
+    computes its forward. A key Needle 3 does not have is an error, like everywhere in needle.
+    """
+
+    vocab_size: int = Field(16384, gt=0, description="input vocabulary (SentencePiece pieces, specials included)")
+    d_model: int = Field(768, gt=0, description="residual stream width")
+    num_heads: int = Field(12, gt=0, description="query heads")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
+    num_layers: int = Field(20, gt=0, description="blocks")
+    qk_head_dim: int = Field(48, ge=0, description="width of one query/key head")
+    v_head_dim: int = Field(64, ge=0, description="width of one value head")
+    max_seq_len: int = Field(4096, gt=0, description="longest sequence (RoPE table length)")
+    pad_token_id: int = Field(0, ge=0, description="padding id")
+    embedding_dim: int = Field(128, ge=0, description="embedding probe head: output width")
+    embedding_probes: int = Field(4, ge=0, description="embedding probe head: probes")
+    embedding_queries: int = Field(4, ge=0, description="embedding probe head: queries")
+    confidence_probes: int = Field(4, ge=0, description="confidence probe head: probes")
+    confidence_queries: int = Field(4, ge=0, description="confidence probe head: queries")
+    router_probes: int = Field(4, ge=0, description="router probe head: probes")
+    router_queries: int = Field(4, ge=0, description="router probe head: queries")
+    rope_theta: float = Field(100000.0, gt=0, description="RoPE base frequency")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="compute dtype of the reference")
+    flash: bool = Field(True, description="reference's fused-attention switch (numerics unchanged)")
+    engram_orders: tuple[int, ...] = Field((2, 3), description="Engram n-gram orders")
+    engram_heads: int = Field(0, ge=0, description="Engram hash heads per order (0: Engram off)")
+    engram_slots: int = Field(18432, ge=0, description="Engram table rows per head")
+    engram_seed_heads: int = Field(0, ge=0, description="Engram heads seeded from unigram ids")
+    engram_layers: tuple[int, ...] = Field((3, 7, 11, 15, 19), description="layers that read Engram memory")
+    global_layers: tuple[int, ...] = Field((4, 9, 14, 19), description="full-attention layers (others: sliding)")
+    sliding_window: int = Field(1024, ge=0, description="window of the sliding layers (0: all full)")
+    ladder_depths: tuple[int, ...] = Field((), description="early-exit depths trained as a ladder")
+    ladder_sample: bool = Field(False, description="sample one ladder depth per step in training")
+    ladder_widths: tuple[float, ...] = Field((), description="width ladder (sliced sub-models)")
+    ladder_order: tuple[int, ...] = Field((), description="layer order of the depth ladder")
+    mhc_lanes: int = Field(4, gt=0, description="hyper-connection lanes of the residual stream")
+    qkv_conv_taps: int = Field(3, ge=0, description="causal conv taps on q/k/v (0: off)")
+    out_vocab: int = Field(0, ge=0, description="separate output vocabulary size (0: vocab_size)")
+    kv_window: int = Field(0, ge=0, description="on-device KV window (0: from the byte budget)")
+    kv_bits: int = Field(8, ge=0, description="deploy numerics: KV cache bits")
+    act_bits: int = Field(8, ge=0, description="deploy numerics: activation bits")
+    weight_bits: str = Field("", description="deploy numerics: weight bits spec ('' = the export default)")
+    remat: bool = Field(True, description="reference's rematerialisation switch (numerics unchanged)")
+    scan_unroll: int = Field(1, gt=0, description="reference's scan unroll (numerics unchanged)")
 
 
 class ModelConfig(_Strict):
@@ -80,6 +128,9 @@ class ModelConfig(_Strict):
     hf_config: str | None = Field(
         None, description="the imported model's original Hugging Face config.json (compact JSON), written back on export"
     )
+    needle3: Needle3Config | None = Field(
+        None, description="arch needle3: the Needle 3 TransformerConfig; the fields above then only mirror it"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +158,12 @@ class ModelConfig(_Strict):
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         return self
 
+    @model_validator(mode="after")
+    def _check_needle3(self) -> "ModelConfig":
+        if (self.arch == "needle3") != (self.needle3 is not None):
+            raise ValueError("arch 'needle3' and the needle3 config go together (one without the other)")
+        return self
+
     def resolved_layer_types(self) -> tuple[str, ...]:
         """Attention kind of each layer (all ``full_attention`` when ``layer_types`` is None)."""
         return self.layer_types or ("full_attention",) * self.n_layers
@@ -124,6 +181,11 @@ class LoraConfig(_Strict):
         ("q", "k", "v", "o", "gate", "up", "down"),
         min_length=1,
         description="projections that get an adapter: attention q/k/v/o and MLP gate/up/down",
+    )
+
+    qat: bool = Field(
+        True, description="Needle 3 bases only: quantisation-aware LoRA as Needle trains it (weights through the "
+        "on-device quantiser with a straight-through estimator, 8-bit activations); False: plain float LoRA"
     )
 
     @property

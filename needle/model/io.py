@@ -16,11 +16,11 @@ the original HF config in ``hf_config``).
 
 Everything is written into a hidden sibling temp directory that is renamed into place only when
 complete, so a crash never leaves a half-written model at ``model_dir``. Eval, predict and the
-registry read it back with :func:`load_model`; a LoRA-free ``Transformer(cfg)`` applies the params.
+registry read it back with :func:`load_model`; ``module_for(cfg)`` (a LoRA-free module of its family) applies the params.
 
     save_model("out/model", merge_lora(params, lora), cfg, tokenizer, {"run_id": "..."})
     loaded = load_model("out/model")
-    logits = Transformer(loaded.model_cfg).apply({"params": loaded.params}, tokens)
+    logits = module_for(loaded.model_cfg).apply({"params": loaded.params}, tokens)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from flax import traverse_util
 from needle.config import ModelConfig
 from needle.errors import CheckpointMismatchError, ModelImportError, ModelNotFoundError
 from needle.model.lora import LORA_LEAVES, Params
-from needle.model.transformer import Transformer
+from needle.model.factory import module_for
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -63,7 +63,7 @@ class LoadedModel:
 
 def abstract_params(cfg: ModelConfig) -> Params:
     """Shapes and dtypes of a LoRA-free model's params, without computing any."""
-    model = Transformer(cfg)
+    model = module_for(cfg)
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
 

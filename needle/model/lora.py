@@ -21,7 +21,7 @@ from flax import traverse_util
 from needle.config import LoraConfig, ModelConfig
 from needle.errors import CheckpointMismatchError
 from needle.hardware import BackendSettings
-from needle.model.transformer import Transformer
+from needle.model.factory import module_for
 
 Params = dict[str, Any]
 LORA_LEAVES = frozenset({"lora_a", "lora_b"})
@@ -50,7 +50,7 @@ def init_params(
     """Initialise the model's parameters (with adapters when ``lora`` is given) under jit."""
     if isinstance(rng, int):
         rng = jax.random.key(rng)
-    model = Transformer(cfg, lora, settings)
+    model = module_for(cfg, lora, settings)
     tokens = jnp.zeros((1, min(8, cfg.max_len)), jnp.int32)
     return jax.jit(lambda key: model.init(key, tokens)["params"])(rng)
 

@@ -28,7 +28,7 @@ from needle.data.chat import format_for
 from needle.data.schema import Row, parse_row
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.model.io import LoadedModel
-from needle.model.transformer import Transformer
+from needle.model.factory import module_for
 
 Prediction = list[dict[str, Any]] | dict[str, Any]
 
@@ -55,7 +55,7 @@ class Predictor:
         self.cfg = cfg or EvalConfig()
         self.tok = loaded.tokenizer
         self.fmt = format_for(self.tok)
-        self.model = Transformer(loaded.model_cfg)
+        self.model = module_for(loaded.model_cfg)
         self.budget = prompt_budget(self.model, self.cfg.max_new_tokens)
         self._constraints: Any = None
         self._constraints_error: str | None = None

@@ -35,7 +35,7 @@ from needle.errors import NonFiniteLossError
 from needle.hardware import BackendSettings, enable_compilation_cache, settings_for
 from needle.model import lora as lora_lib
 from needle.model.io import LoadedModel, load_model, save_model
-from needle.model.transformer import Transformer
+from needle.model.factory import module_for
 from needle.tokenizer import Tokenizer
 from needle.tracking import NoopTracker, Tracker
 from needle.train.checkpoint import Checkpointer, build_meta
@@ -55,7 +55,7 @@ _CADENCE_FIELDS = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoi
 class ModelApply:
     """``apply_fn(trainable, frozen, inputs) -> logits``; equal models give equal (hashable) fns."""
 
-    model: Transformer
+    model: Any  # the family's Flax module (needle.model.factory.module_for)
 
     def __call__(
         self, trainable: Any, frozen: Any, inputs: jax.Array, positions: jax.Array | None = None,
@@ -67,7 +67,7 @@ class ModelApply:
         return self.model.apply(params, inputs, positions, segment_ids=segment_ids)
 
 
-def make_apply_fn(model: Transformer) -> ApplyFn:
+def make_apply_fn(model: Any) -> ApplyFn:
     """The ``TrainState.apply_fn`` of a model."""
     return ModelApply(model)
 
@@ -175,7 +175,7 @@ def build_state(
     """The fresh train state of the mode (trainable/frozen split, optimizer, RNG)."""
     params = initial_params(model_cfg, train_cfg, lora_cfg, base, settings)
     trainable, frozen = lora_lib.split_trainable(params, train_cfg.mode)
-    model = Transformer(model_cfg, lora_cfg, settings)
+    model = module_for(model_cfg, lora_cfg, settings)
     return create_state(
         make_apply_fn(model), trainable, frozen, optim_cfg, train_cfg.steps,
         grad_accum=train_cfg.grad_accum, seed=train_cfg.seed,
