@@ -255,10 +255,11 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--port", type=positive_int, default=5123, help="default 5123 (5000 is the MLflow UI's)")
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("export", help="write a model as a Hugging Face model or a PEFT LoRA adapter")
+    p = sub.add_parser("export", help="write a model as a Hugging Face model, a PEFT LoRA adapter or Needle's files")
     p.add_argument("model", help="needle model dir, models:/needle@champion, or a Hugging Face model dir")
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=["hf", "peft"], default="hf")
+    p.add_argument("--format", choices=["hf", "peft", "needle"], default="hf",
+                   help="needle (Needle 3 models): checkpoint.safetensors, adapter.safetensors, model.cact")
     p.set_defaults(func=_cmd_export)
 
 

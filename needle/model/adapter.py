@@ -1,4 +1,4 @@
-"""The LoRA adapter kept beside a tuned model, and `needle export` to Hugging Face or PEFT.
+"""The LoRA adapter kept beside a tuned model, and `needle export` to Hugging Face, PEFT or Needle.
 
 A LoRA run's exported model directory holds the merged params (what eval and serving load) and,
 in ``adapter.safetensors``, the unmerged ``lora_a``/``lora_b`` leaves under their needle paths
@@ -7,6 +7,7 @@ in ``adapter.safetensors``, the unmerged ``lora_a``/``lora_b`` leaves under thei
     needle export runs/tuned/model --format hf   out/hf     # transformers loads it
     needle export runs/tuned/model --format peft out/peft   # PeftModel.from_pretrained(base, out/peft)
     needle export models:/needle@champion --format hf out/hf
+    needle export runs/tuned/model --format needle out/n3  # Needle 3: checkpoint, adapter, .cact
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from needle.errors import ModelImportError
 from needle.model.lora import Params
 
 ADAPTER_FILE = "adapter.safetensors"
-ExportFormat = Literal["hf", "peft"]
+ExportFormat = Literal["hf", "peft", "needle"]
 
 
 def save_adapter(lora_params: Params, model_dir: str | Path) -> Path:
@@ -64,10 +65,15 @@ def export_model(location: str, fmt: ExportFormat, out_dir: str | Path) -> Path:
     from needle.registry import resolve_model_dir
 
     model_dir = resolve_model_dir(location) if not location.startswith("hf:") else location
+    if fmt == "needle":
+        from needle.model.needle3_export import export_needle
+
+        export_needle(model_dir, out_dir)
+        return Path(out_dir)
     if fmt == "hf":
         return export_hf(load_model(model_dir), None, None, out_dir)
     if fmt != "peft":
-        raise ValueError(f"unknown export format {fmt!r}; choose 'hf' or 'peft'")
+        raise ValueError(f"unknown export format {fmt!r}; choose 'hf', 'peft' or 'needle'")
     loaded = load_model(model_dir)
     if not loaded.meta.get("lora"):
         raise ModelImportError(f"{location}: not a LoRA fine-tune (meta.json has no lora config): nothing to export as PEFT")
@@ -80,6 +86,8 @@ def export_run_model(model_dir: str | Path, out_root: str | Path) -> dict[str, P
     from needle.model.io import load_model
 
     out = Path(out_root)
+    if load_model(model_dir).model_cfg.arch == "needle3":  # Needle's own files; transformers has no Needle 3
+        return {"needle": export_model(str(model_dir), "needle", out / "needle")}
     paths = {"hf": export_model(str(model_dir), "hf", out / "hf")}
     meta = load_model(model_dir).meta if (Path(model_dir) / ADAPTER_FILE).is_file() else {}
     if meta.get("lora") and meta.get("base"):  # a PEFT adapter needs a base that transformers loads

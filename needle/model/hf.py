@@ -93,13 +93,14 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _download(repo: str, revision: str | None) -> Path:
+def _download(repo: str, revision: str | None, allow_patterns: list[str] | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
     local_only = _offline() or not _hub_reachable()
+    patterns = allow_patterns or ALLOW_PATTERNS
     try:
         return Path(
-            snapshot_download(repo, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=local_only, etag_timeout=5)
+            snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=local_only, etag_timeout=5)
         )
     except Exception as e:  # noqa: BLE001 - every hub failure becomes one clear message
         why = "HF_HUB_OFFLINE is set" if _offline() else "the hub is unreachable" if local_only else "download failed"
@@ -111,15 +112,20 @@ def _download(repo: str, revision: str | None) -> Path:
         raise ModelImportError(f"hf:{repo}: {why}: {type(e).__name__}: {e}") from e
 
 
+def download_snapshot(spec: str, allow_patterns: list[str] | None = None) -> ModelSource:
+    """``hf:owner/name[@revision]`` fetched through the hub cache (offline: the cache, or one clear error)."""
+    m = _HUB_SPEC.match(spec)
+    if not m:
+        raise ModelImportError(f"{spec!r}: expected hf:owner/name or hf:owner/name@revision")
+    path = _download(m["repo"], m["rev"], allow_patterns)
+    return ModelSource(path, m["repo"], m["rev"] or "main", path.name)
+
+
 def resolve_model_source(spec: str | Path) -> ModelSource:
     """A local model directory, or ``hf:owner/name[@revision]`` fetched through the hub cache."""
     text = str(spec)
     if text.startswith("hf:"):
-        m = _HUB_SPEC.match(text)
-        if not m:
-            raise ModelImportError(f"{text!r}: expected hf:owner/name or hf:owner/name@revision")
-        path = _download(m["repo"], m["rev"])
-        return ModelSource(path, m["repo"], m["rev"] or "main", path.name)
+        return download_snapshot(text)
     path = Path(text).expanduser().absolute()
     if not path.is_dir():
         raise ModelImportError(f"{path}: no such model directory (or use hf:owner/name for a hub model)")

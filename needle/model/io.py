@@ -4,10 +4,11 @@ Layout of ``model_dir``::
 
     params/          orbax StandardCheckpointer tree, base layout (no LoRA leaves), float32
     config.json      ModelConfig.model_dump()
-    tokenizer.json   needle.tokenizer.Tokenizer.save(model_dir)
+    tokenizer.json   needle.tokenizer.Tokenizer.save(model_dir) (tokenizer.model for Needle 3)
     meta.json        free-form JSON metadata (run id, data fingerprint, metrics, ...)
 
-``load_model`` also reads a Hugging Face model directory (``config.json`` with a ``model_type``
+``load_model`` also reads a Needle 3 base (needle/model/needle3_io.py: a cactus-needle
+checkpoint, its hub repository's layout or ``hf:`` id) and a Hugging Face model directory (``config.json`` with a ``model_type``
 and safetensors weights) or a hub id ``hf:owner/name[@revision]`` (needle/model/hf.py): it
 imports params, a ``ModelConfig``, the model's own tokenizer and ``meta["base"]``
 (source, revision, arch, n_params). A model of an imported architecture saved with
@@ -47,6 +48,7 @@ from needle.model.factory import module_for
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.model")  # tokenizers' JSON, or Needle 3's SentencePiece model
 META_FILE = "meta.json"
 REQUIRED = (PARAMS_DIR, CONFIG_FILE, TOKENIZER_FILE, META_FILE)
 
@@ -126,8 +128,8 @@ def save_model(
             from needle.model.adapter import save_adapter
 
             save_adapter(adapter, staged)
-        if not (staged / TOKENIZER_FILE).is_file():
-            raise ValueError(f"save_model: tokenizer.save() did not write {TOKENIZER_FILE}")
+        if not _present(staged, TOKENIZER_FILE):
+            raise ValueError(f"save_model: tokenizer.save() wrote none of {', '.join(TOKENIZER_FILES)}")
         _swap_in(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
@@ -149,13 +151,20 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
     context (default: its ``max_position_embeddings``); native models keep their own.
     """
     from needle.model.hf import is_hf_model_dir
+    from needle.model.needle3_io import import_needle3_model, is_needle3_source
 
-    if str(model_dir).startswith("hf:") or is_hf_model_dir(model_dir):
+    if str(model_dir).startswith("hf:"):
+        if is_needle3_source(_hub_snapshot(str(model_dir))):
+            return import_needle3_model(model_dir, max_len=max_len)
         return import_hf_model(model_dir, max_len=max_len)
+    if is_hf_model_dir(model_dir):
+        return import_hf_model(model_dir, max_len=max_len)
+    if is_needle3_source(model_dir):
+        return import_needle3_model(model_dir, max_len=max_len)
     root = Path(model_dir).absolute()
     if not root.is_dir():
         raise ModelNotFoundError(f"{root}: no exported model directory here")
-    missing = [name for name in REQUIRED if not (root / name).exists()]
+    missing = [name for name in REQUIRED if not _present(root, name)]
     if missing:
         raise ModelNotFoundError(
             f"{root}: incomplete exported model, missing {', '.join(missing)} "
@@ -176,6 +185,20 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointMismatchError(f"{root / PARAMS_DIR}: params do not match {CONFIG_FILE}: {e}") from e
     return LoadedModel(params=params, model_cfg=cfg, tokenizer=_load_tokenizer(root), meta=meta)
+
+
+def _hub_snapshot(spec: str) -> Path:
+    # One snapshot with both layouts' files decides the family: Hugging Face or a Needle repository.
+    from needle.model import hf, needle3_io
+
+    return hf.download_snapshot(spec, hf.ALLOW_PATTERNS + needle3_io.ALLOW_PATTERNS).path
+
+
+def _present(root: Path, name: str) -> bool:
+    # A Needle 3 model keeps its SentencePiece tokenizer.model where others keep tokenizer.json.
+    if name == TOKENIZER_FILE:
+        return any((root / f).is_file() for f in TOKENIZER_FILES)
+    return (root / name).exists()
 
 
 def _load_tokenizer(root: Path) -> Any:

@@ -34,7 +34,7 @@ from needle.data.prepare import PreparedData
 from needle.errors import NonFiniteLossError
 from needle.hardware import BackendSettings, enable_compilation_cache, settings_for
 from needle.model import lora as lora_lib
-from needle.model.io import LoadedModel, load_model, save_model
+from needle.model.io import TOKENIZER_FILES, LoadedModel, load_model, save_model
 from needle.model.factory import module_for
 from needle.tokenizer import Tokenizer
 from needle.tracking import NoopTracker, Tracker
@@ -155,8 +155,9 @@ def _tokenizer_record(tokenizer: Tokenizer, out_dir: Path) -> tuple[str, str]:
     """
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save(tmp)
-        sha = hashlib.sha256((Path(tmp) / "tokenizer.json").read_bytes()).hexdigest()
-    return str(out_dir / "tokenizer" / "tokenizer.json"), sha
+        name = next(f for f in TOKENIZER_FILES if (Path(tmp) / f).is_file())  # tokenizer.model for Needle 3
+        sha = hashlib.sha256((Path(tmp) / name).read_bytes()).hexdigest()
+    return str(out_dir / "tokenizer" / name), sha
 
 
 def save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
@@ -306,7 +307,7 @@ def run_training(
     result = train_with_checkpoints(state, plans, train_cfg, meta, out, tracker, mesh, tokenizer)
     assert result.state is not None
     export_meta = {
-        "mode": train_cfg.mode, "fingerprint": prepared.fingerprint, "steps": result.final_step,
+        "mode": train_cfg.mode, "fingerprint": prepared.fingerprint, "steps": result.final_step, "seed": train_cfg.seed,
         "train_loss": result.train_loss, "val_loss": result.val_loss,
         "base_model_dir": None if base_model_dir is None else str(base_model_dir),
         "lora": None if lora_cfg is None else lora_cfg.model_dump(mode="json"),

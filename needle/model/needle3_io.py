@@ -1,0 +1,157 @@
+"""Needle 3 bases in: a cactus-needle checkpoint, its hub repository's layout, or ``hf:`` id.
+
+A Needle 3 base is what a snapshot of ``Cactus-Compute/needle3`` holds::
+
+    checkpoints/NAME.safetensors      format-version-2 checkpoint (config JSON in its metadata)
+    tokenizer/tokenizer.model         SentencePiece model with Needle's fixed special ids
+
+``load_model`` (needle/model/io.py) hands such a directory, a single ``.safetensors`` checkpoint
+(its tokenizer found beside it: ``tokenizer.model``, ``tokenizer/tokenizer.model`` or the hub
+layout's ``../tokenizer/tokenizer.model``) or ``hf:OWNER/NAME`` for a Needle repository to
+:func:`import_needle3_model`, which returns the same ``LoadedModel`` as every other family:
+params (the reference's tree, probe heads included), a ``ModelConfig`` with ``arch="needle3"``
+and the ``Needle3Config`` from the checkpoint, the tokenizer and ``meta["base"]``.
+
+    loaded = load_model("needle3-snapshot/")                 # or "ckpt.safetensors", "hf:Cactus-Compute/needle3"
+    logits = module_for(loaded.model_cfg).apply({"params": loaded.params}, ids)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from needle.config import ModelConfig, Needle3Config
+from needle.errors import ModelImportError
+
+CHECKPOINTS_DIR = "checkpoints"
+TOKENIZER_DIR = "tokenizer"
+SP_MODEL_FILE = "tokenizer.model"
+DEFAULT_CHECKPOINT = "needle3.safetensors"  # cactus-needle's DEFAULT_BASE names this file
+# What snapshot_download fetches of a Needle repository.
+ALLOW_PATTERNS = [f"{CHECKPOINTS_DIR}/*.safetensors", f"{TOKENIZER_DIR}/*", "*.safetensors", SP_MODEL_FILE]
+# The context a Needle 3 base is fine-tuned with unless max_len asks for more (up to max_seq_len).
+IMPORTED_MAX_LEN = 2048
+# The reference's ``TransformerConfig.from_saved``: keys older checkpoints lack, with their "off" value.
+_FROM_SAVED_DEFAULTS = {
+    "qk_head_dim": 0, "v_head_dim": 0, "sliding_window": 0, "global_layers": (), "ladder_depths": (),
+    "ladder_sample": False, "ladder_widths": (), "ladder_order": (), "engram_seed_heads": 0,
+    "qkv_conv_taps": 0, "out_vocab": 0,
+}  # fmt: skip
+
+
+def is_needle3_source(spec: str | Path) -> bool:
+    """True for a ``.safetensors`` file or a directory laid out as a Needle 3 hub repository."""
+    p = Path(spec)
+    if p.is_file():
+        return p.suffix == ".safetensors" or _looks_like_pickle(p)
+    return p.is_dir() and (p / CHECKPOINTS_DIR).is_dir() and not (p / "config.json").is_file()
+
+
+def _looks_like_pickle(path: Path) -> bool:
+    # A torch/pickle checkpoint handed where a Needle checkpoint belongs: refused by name, never read.
+    return path.suffix in (".pt", ".pth", ".bin", ".pkl", ".ckpt")
+
+
+def needle3_config(raw: dict[str, Any], where: str) -> Needle3Config:
+    """A checkpoint's ``config`` metadata as a validated ``Needle3Config`` (Needle 2 refused)."""
+    raw = dict(raw)
+    if "attn_dim" in raw:
+        if "qk_head_dim" not in raw:  # cactus-needle 3's load_checkpoint draws the same line
+            raise ModelImportError(
+                f"{where}: a Needle 2 checkpoint (config has attn_dim, no qk_head_dim); needle fine-tunes "
+                "Needle 3 checkpoints (cactus-needle 2.x reads this one)"
+            )
+        legacy = raw.pop("attn_dim") // raw.get("num_heads", Needle3Config.model_fields["num_heads"].default)
+        raw.setdefault("v_head_dim", legacy)
+    data = {**_FROM_SAVED_DEFAULTS, **raw}
+    unknown = sorted(set(data) - set(Needle3Config.model_fields))
+    if unknown:
+        raise ModelImportError(f"{where}: config keys this needle does not know (a newer Needle?): {', '.join(unknown)}")
+    try:
+        return Needle3Config.model_validate(data)
+    except ValueError as e:
+        raise ModelImportError(f"{where}: invalid Needle 3 config: {e}") from e
+
+
+def model_config_of(n3: Needle3Config, max_len: int | None = None) -> ModelConfig:
+    """needle's ``ModelConfig`` for a Needle 3 config: the shared fields mirror it, ``needle3`` holds it."""
+    head = n3.qk_head_dim or n3.d_model // n3.num_heads
+    limit = max_len or min(IMPORTED_MAX_LEN, n3.max_seq_len)
+    if limit > n3.max_seq_len:
+        raise ModelImportError(f"max_len {limit} exceeds the Needle 3 model's max_seq_len {n3.max_seq_len}")
+    return ModelConfig(
+        preset="needle3", arch="needle3", needle3=n3, vocab_size=n3.vocab_size, d_model=n3.d_model,
+        n_layers=n3.num_layers, n_heads=n3.num_heads, n_kv_heads=n3.num_kv_heads, head_dim=head,
+        d_ff=4 * n3.d_model, max_len=limit, rope_theta=n3.rope_theta, tie_embeddings=not n3.out_vocab,
+    )  # fmt: skip
+
+
+def find_checkpoint(root: Path) -> Path:
+    """The base checkpoint of a Needle repository directory (``checkpoints/needle3.safetensors``, or the only one)."""
+    ckpts = sorted((root / CHECKPOINTS_DIR).glob("*.safetensors"))
+    named = [p for p in ckpts if p.name == DEFAULT_CHECKPOINT]
+    if named:
+        return named[0]
+    if len(ckpts) == 1:
+        return ckpts[0]
+    if not ckpts:
+        raise ModelImportError(f"{root / CHECKPOINTS_DIR}: no .safetensors checkpoint here")
+    names = ", ".join(p.name for p in ckpts)
+    raise ModelImportError(f"{root / CHECKPOINTS_DIR}: several checkpoints ({names}); pass the file itself as the base")
+
+
+def find_sp_model(checkpoint: Path) -> Path:
+    """The SentencePiece model that belongs with ``checkpoint`` (beside it, or the hub layout's)."""
+    here = checkpoint.parent
+    for cand in (here / SP_MODEL_FILE, here / TOKENIZER_DIR / SP_MODEL_FILE, here.parent / TOKENIZER_DIR / SP_MODEL_FILE):
+        if cand.is_file():
+            return cand
+    raise ModelImportError(
+        f"{checkpoint}: no Needle tokenizer found ({SP_MODEL_FILE} beside it, in {TOKENIZER_DIR}/, or in "
+        f"../{TOKENIZER_DIR}/ as the hub repository lays it out); needle needs the model's own tokenizer"
+    )
+
+
+def _resolve(spec: str | Path) -> tuple[Path, dict[str, Any]]:
+    text = str(spec)
+    if text.startswith("hf:"):
+        from needle.model.hf import download_snapshot
+
+        src = download_snapshot(text, ALLOW_PATTERNS)
+        return find_checkpoint(src.path), src.as_meta()
+    path = Path(text).expanduser().absolute()
+    if path.is_dir():
+        return find_checkpoint(path), {"source": str(path), "revision": None, "commit": None}
+    if not path.is_file():
+        raise ModelImportError(f"{path}: no such Needle 3 checkpoint or directory")
+    return path, {"source": str(path), "revision": None, "commit": None}
+
+
+def import_needle3_model(spec: str | Path, *, max_len: int | None = None) -> Any:
+    """Import a Needle 3 base (file, repository directory or ``hf:`` id) as a ``LoadedModel``."""
+    from needle.model.io import LoadedModel
+    from needle.model.needle3.checkpoint import read_needle3_checkpoint
+    from needle.tokenizer import load_tokenizer
+
+    ckpt, source = _resolve(spec)
+    if _looks_like_pickle(ckpt) or ckpt.suffix != ".safetensors":
+        raise ModelImportError(f"{ckpt}: not a .safetensors file; Needle checkpoints are safetensors and needle never unpickles")
+    params, raw_cfg, metadata = read_needle3_checkpoint(ckpt)
+    n3 = needle3_config(raw_cfg, str(ckpt))
+    cfg = model_config_of(n3, max_len)
+    sp = find_sp_model(ckpt)
+    tokenizer = load_tokenizer(sp.parent)
+    if tokenizer.vocab_size > n3.vocab_size:
+        raise ModelImportError(
+            f"{sp}: {tokenizer.vocab_size} pieces but the checkpoint's vocab_size is {n3.vocab_size}: "
+            "tokenizer and weights do not belong together"
+        )
+    n_params = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+    base = {**source, "arch": "needle3", "n_params": n_params, "checkpoint": str(ckpt),
+            "step": metadata.get("step"), "run": metadata.get("run")}  # fmt: skip
+    params = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a, np.float32)), params)
+    return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
