@@ -39,6 +39,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # (needle/eval/parse.py) never spell them out again.
 PAD, BOS, END, SYSTEM, TOOLS, USER, ASSISTANT, THINK, CALL = SPECIAL_TOKENS
 TOKENIZER_FILE = "tokenizer.json"
+SP_MODEL_FILE = "tokenizer.model"  # Needle 3's SentencePiece model (needle/needle3_tokenizer.py)
 # A word with the punctuation that follows it, a single digit, a punctuation run, or whitespace.
 # Digits stay single tokens: a small model copies "K33026" or "472.18" from the query into the
 # call far more reliably when every number is spelt the same way, digit by digit.
@@ -218,9 +219,16 @@ def load_tokenizer(path: str | Path) -> TokenizerLike:
     A tokenizer.json whose first ids are needle's ``SPECIAL_TOKENS`` is needle's own
     (``Tokenizer``, byte-identical behaviour); anything else is a pretrained model's tokenizer,
     read with its tokenizer_config.json, chat template and generation_config.json
-    (``HFTokenizer``).
+    (``HFTokenizer``). A directory with Needle 3's SentencePiece ``tokenizer.model`` (and no
+    tokenizer.json), or that ``.model`` file, is ``Needle3Tokenizer`` (needle/needle3_tokenizer.py).
     """
     p = Path(path)
+    if (p.is_dir() and (p / SP_MODEL_FILE).is_file() and not (p / TOKENIZER_FILE).is_file()) or (
+        p.is_file() and p.suffix == ".model"
+    ):
+        from needle.needle3_tokenizer import Needle3Tokenizer  # lazy: sentencepiece only for Needle 3
+
+        return Needle3Tokenizer.load(p)
     file = p / TOKENIZER_FILE if p.is_dir() else p
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no tokenizer.json here")

@@ -16,6 +16,7 @@ the JSON) gives ``calls=None`` and a one-line ``error`` saying why, so the metri
 Pretrained models' templates have their own forms, parsed below to the same ParsedCall: Qwen/Hermes
 ``<tool_call>{json}</tool_call>``, Llama 3.x JSON calls, FunctionGemma's
 ``<start_function_call>call:name{…}<end_function_call>``; ``parser_for(template)`` picks one.
+Needle 3's ``<tool_call>[…]</tool_call>`` is ``parser_for("needle3")`` (needle/data/needle3_format.py).
 """
 
 from __future__ import annotations
@@ -257,7 +258,15 @@ def parse_json_list(text: str) -> ParsedCall:
 
 
 def parser_for(template: str | None) -> Parser:
-    """The parser for the calls a chat template writes (detected from its text)."""
+    """The parser for the calls a chat template writes (detected from its text).
+
+    ``"needle3"`` (or a ``Needle3Format.template_id()``) is Needle 3's own row format:
+    ``parse_needle3`` (needle/data/needle3_format.py).
+    """
+    if template is not None and (template == "needle3" or template.startswith("needle3:")):
+        from needle.data.needle3_format import parse_needle3  # lazy: data imports eval, not the reverse
+
+        return parse_needle3
     if template is None:
         return parse_calls
     if "<tool_call>" in template:

@@ -18,6 +18,10 @@ Per chat format (needle/data/chat.py ``format_for``), what a call list is:
 - templates without tool calls (Gemma 3…): that JSON list alone;
 - Qwen/Hermes: ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`` blocks, none for [];
 - Llama 3.x: one ``{"name": …, "parameters": {…}}`` object, or nothing for [];
+- Needle 3's own format (needle/data/needle3_format.py): an optional space (SentencePiece's
+  dummy prefix), ``<tool_call>``, the compact JSON list, ``</tool_call>``, then ``<|im_end|>`` (a stop id), over its SentencePiece vocabulary (the
+  tokenizer's ``llguidance_tokenizer()``: byte pieces as bytes, ``▁`` as a space, markers special);
+  the optional ``<think>`` block is not offered: constrained rows answer directly;
 - FunctionGemma's ``call:name{…}`` is not JSON: ``Constraints.supported`` is False there and
   decoding stays free (``grammar_for`` raises :class:`UnsupportedFormat`).
 
@@ -118,12 +122,14 @@ def _lit(text: str, specials: dict[str, int]) -> str:
 
 
 def format_kind(fmt: Any) -> str:
-    """``native``, ``json_list``, ``hermes``, ``llama`` or ``function_gemma`` for a ChatFormat."""
+    """``native``, ``needle3``, ``json_list``, ``hermes``, ``llama`` or ``function_gemma`` for a ChatFormat."""
     from needle.data.render import NativeFormat
     from needle.eval import parse
 
     if isinstance(fmt, NativeFormat):
         return "native"
+    if getattr(fmt, "name", None) == "needle3":  # Needle3Format (needle/data/needle3_format.py)
+        return "needle3"
     parser = getattr(fmt, "_parser", None)
     kinds = {parse.parse_json_list: "json_list", parse.parse_hermes: "hermes",
              parse.parse_llama_json: "llama", parse.parse_function_gemma: "function_gemma",
@@ -138,6 +144,11 @@ def grammar_for(kind: str, tools: Sequence[dict[str, Any]], specials: dict[str, 
     specials = specials or {}
     if kind == "native":
         return f"start: {_lit(CALL, specials)} calls\ncalls: {_json_rule(call_list_schema(tools), COMPACT)}\n"
+    if kind == "needle3":
+        open_, close = _lit("<tool_call>", specials), _lit("</tool_call>", specials)
+        # An optional leading space: with SentencePiece's dummy prefix the target, encoded on its
+        # own as the reference does, starts with "▁" (decoding drops it again).
+        return f'start: " "? {open_} calls {close}\ncalls: {_json_rule(call_list_schema(tools), COMPACT)}\n'
     if kind == "json_list":
         return f"start: calls\ncalls: {_json_rule(call_list_schema(tools), SPACED)}\n"
     if kind == "hermes":
@@ -156,6 +167,13 @@ def grammar_for(kind: str, tools: Sequence[dict[str, Any]], specials: dict[str, 
             return 'start: ""\n'
         return f"start: call?\ncall: {_json_rule(any_call_schema(tools, 'parameters'), SPACED)}\n"
     raise UnsupportedFormat(f"no call grammar for the {kind} call format")
+
+
+def _token_id_or_none(tok: TokenizerLike, text: str) -> int | None:
+    try:
+        return int(tok.token_id(text))
+    except KeyError:
+        return None
 
 
 def tools_key(tools: Sequence[dict[str, Any]]) -> str:
@@ -190,10 +208,14 @@ class Constraints:
         if kind == "function_gemma":
             raise UnsupportedFormat("FunctionGemma's call:name{…} format is not JSON: no call grammar")
         stops = tuple(int(i) for i in tok.stop_ids)
-        lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=list(stops))
+        own = getattr(tok, "llguidance_tokenizer", None)  # a vocabulary that is no tokenizer.json (Needle 3's)
+        if own is not None:
+            lltok = own(stops)
+        else:
+            lltok = llguidance.LLTokenizer(tok.to_json(), n_vocab=tok.vocab_size, eos_token=list(stops))
         specials = {}
         for text in (CALL, "<tool_call>", "</tool_call>", "<think>", "</think>"):
-            tid = tok._raw.token_to_id(text) if hasattr(tok, "_raw") else None  # noqa: SLF001
+            tid = tok._raw.token_to_id(text) if hasattr(tok, "_raw") else _token_id_or_none(tok, text)  # noqa: SLF001
             if tid is not None and lltok.is_special_token(tid):
                 specials[text] = int(tid)
         return cls(kind, tok.vocab_size, stops, lltok, specials)

@@ -1,0 +1,159 @@
+"""Needle 3's own row format (cactus-needle 3.x) as a ``ChatFormat``, and its call parser.
+
+What the reference's ``render_example`` / ``_encode`` (needle/model/finetune.py) build, byte for
+byte and id for id::
+
+    <bos>[<|im_start|>system\\n{system}<|im_end|>\\n]<|im_start|>user\\n<tools>{tools}</tools>\\n{query}<|im_end|>\\n<|im_start|>assistant\\n
+    [<think>\\n{reasoning}\\n</think>\\n]<tool_call>{answers}</tool_call><|im_end|><eos>   <- target + eos: the loss tokens
+
+``{tools}`` and ``{answers}`` are compact JSON (``separators=(",", ":")``, non-ASCII kept);
+system and reasoning are stripped and their parts left out when empty (no default system
+prompt: Needle has none). BOS (id 2) and EOS (id 1) are control pieces that no text encodes to,
+so they are added as ids: BOS before the prompt, EOS after the target, with loss on the target
+and EOS. Unlike the reference, which cuts rows at ``max_len`` without a word, an over-long row is
+flagged (``Example.truncated``) and the data preparation refuses or drops it, as for every other
+format (needle/data/prepare.py).
+
+    fmt = Needle3Format()                                  # or Needle3Tokenizer.chat_format()
+    ex = fmt.encode_example(row, tok, max_len=2048)        # ids, loss_mask, truncated
+    prompt_ids = fmt.encode_prompt(row, tok)               # [bos] + prompt: what generation starts from
+    fmt.parse('<tool_call>[{"name":"f","arguments":{}}]</tool_call><|im_end|>').calls
+    parser_for("needle3") is parse_needle3                 # needle/eval/parse.py
+
+``render_example(example)`` is the reference's function on a raw example dict (tools or answers
+as a JSON string are kept verbatim there); needle's rows (``Row``) hold parsed tools, which are
+re-serialised compactly, so a row whose tools came as a JSON string with spaces renders its tools
+compactly here.
+
+Ported from cactus-needle 3.2.8 (needle/model/finetune.py), Apache-2.0.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from needle.data.render import Example, compact_json, format_calls, join_example
+from needle.data.schema import Row
+from needle.eval.parse import ParsedCall, check_calls
+from needle.needle3_tokenizer import (
+    BOS_ID, EOS_ID, IM_END, IM_START, MARKERS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START, TOOLS_END,
+    TOOLS_START,
+)  # fmt: skip
+from needle.tokenizer import TokenizerLike
+
+FORMAT_ID = "needle3"
+TEMPLATE_VERSION = "1"
+# What template_id() hashes into the data fingerprint; rendering is the code below (the reference's).
+TEMPLATE = (
+    "<bos>[<|im_start|>system\\n{system}<|im_end|>\\n]<|im_start|>user\\n<tools>{tools}</tools>\\n{query}"
+    "<|im_end|>\\n<|im_start|>assistant\\n||[<think>\\n{reasoning}\\n</think>\\n]<tool_call>{answers}"
+    "</tool_call><|im_end|><eos>"
+)
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else compact_json(value)
+
+
+def render_example(example: dict[str, Any]) -> tuple[str, str]:
+    """(prompt, target) of a raw example dict, exactly as the reference's ``render_example``."""
+    tools_json = _json_text(example.get("tools", []))
+    answers_json = _json_text(example.get("answers", example.get("function_calls", [])))
+    reasoning = (example.get("reasoning") or "").strip()
+    system = (example.get("system") or "").strip()
+    prefix = f"{IM_START}system\n{system}{IM_END}\n" if system else ""
+    prompt = (f"{prefix}{IM_START}user\n{TOOLS_START}{tools_json}{TOOLS_END}\n"
+              f"{example['query']}{IM_END}\n{IM_START}assistant\n")  # fmt: skip
+    think = f"{THINK_START}\n{reasoning}\n{THINK_END}\n" if reasoning else ""
+    return prompt, f"{think}{TOOL_CALL_START}{answers_json}{TOOL_CALL_END}{IM_END}"
+
+
+def _example(row: Row) -> dict[str, Any]:
+    return {"query": row.query, "tools": row.tools, "answers": format_calls(row.answers),
+            "reasoning": row.reasoning, "system": row.system}  # fmt: skip
+
+
+def _special_id(tok: TokenizerLike, attr: str, want: int) -> int:
+    got = getattr(tok, attr, None)
+    if got != want:
+        raise ValueError(f"{tok!r} is not a Needle 3 tokenizer ({attr} is {got}, Needle's is {want}): "
+                         "the needle3 format needs needle.needle3_tokenizer.Needle3Tokenizer")  # fmt: skip
+    return want
+
+
+class Needle3Format:
+    """Needle 3's row format as a :class:`~needle.data.render.ChatFormat`."""
+
+    name = FORMAT_ID
+
+    def render_prompt(self, row: Row) -> str:
+        """Everything up to and including ``<|im_start|>assistant\\n`` (BOS is an id, not text)."""
+        return render_example(_example(row))[0]
+
+    def render_target(self, row: Row) -> str:
+        """``[<think>…</think>\\n]<tool_call>[…]</tool_call><|im_end|>`` (EOS is an id, not text)."""
+        return render_example(_example(row))[1]
+
+    def encode_prompt(self, row: Row, tok: TokenizerLike) -> list[int]:
+        """``[bos] + encode(prompt)``: the ids generation continues from (the reference's ``generate``)."""
+        return [_special_id(tok, "bos_id", BOS_ID), *tok.encode(self.render_prompt(row))]
+
+    def encode_example(self, row: Row, tok: TokenizerLike, max_len: int) -> Example:
+        """``[bos] + prompt + target + [eos]``, loss on target and eos; over ``max_len`` flagged."""
+        prompt, target = render_example(_example(row))
+        bos, eos = _special_id(tok, "bos_id", BOS_ID), _special_id(tok, "eos_id", EOS_ID)
+        return join_example([bos, *tok.encode(prompt)], [*tok.encode(target), eos], max_len)
+
+    def template_id(self) -> str:
+        return f"{FORMAT_ID}:{TEMPLATE_VERSION}:{TEMPLATE}"
+
+    def parse(self, text: str) -> ParsedCall:
+        return parse_needle3(text)
+
+    def __repr__(self) -> str:
+        return "Needle3Format()"
+
+
+def parse_needle3(text: str) -> ParsedCall:
+    """``[<think>\\n…\\n</think>\\n]<tool_call>[…]</tool_call>[<|im_end|>]`` into calls; never raises.
+
+    Strict like ``parse_calls``: a missing or unclosed ``<tool_call>``, text around it, a marker
+    inside the JSON, broken JSON or a call that is not ``{"name": str, "arguments": {…}}`` give
+    ``calls=None`` and the reason. ``<tool_call>[]</tool_call>`` is the off-topic answer ([]).
+    """
+    if not isinstance(text, str):
+        return ParsedCall(None, f"expected text, got {type(text).__name__}", None)
+    body = text.strip()
+    if body.endswith(IM_END):
+        body = body[: -len(IM_END)].rstrip()
+    reasoning = None
+    if body.startswith(THINK_START):
+        cut = body.find(THINK_END)
+        if cut < 0:
+            return ParsedCall(None, f"no {THINK_END} after the reasoning", body[len(THINK_START) :].strip() or None)
+        reasoning = body[len(THINK_START) : cut].strip() or None
+        body = body[cut + len(THINK_END) :].lstrip()
+    if not body.startswith(TOOL_CALL_START):
+        where = "missing" if TOOL_CALL_START not in body else "preceded by other text"
+        return ParsedCall(None, f"{TOOL_CALL_START} {where}", reasoning)
+    payload = body[len(TOOL_CALL_START) :]
+    end = payload.find(TOOL_CALL_END)
+    if end < 0:
+        return ParsedCall(None, f"no {TOOL_CALL_END} after the call list", reasoning)
+    if payload[end + len(TOOL_CALL_END) :].strip():
+        return ParsedCall(None, f"text after {TOOL_CALL_END}", reasoning)
+    payload = payload[:end]
+    if any(m in payload for m in MARKERS):
+        return ParsedCall(None, "special token inside the call JSON", reasoning)
+    payload = payload.strip()
+    if not payload:
+        return ParsedCall(None, f"nothing inside {TOOL_CALL_START}", reasoning)
+    try:
+        value, stop = json.JSONDecoder().raw_decode(payload)
+    except json.JSONDecodeError as exc:
+        return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
+    if payload[stop:].strip():
+        return ParsedCall(None, f"text after the JSON at char {stop}", reasoning)
+    problem = check_calls(value)
+    return ParsedCall(None, problem, reasoning) if problem else ParsedCall(value, None, reasoning)
