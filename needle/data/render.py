@@ -9,7 +9,9 @@ the data fingerprint hashes):
 JSON is compact (``separators=(",", ":")``, ``ensure_ascii=False``) with keys in the given
 order. Bump ``TEMPLATE_VERSION`` on any change: it is part of the data fingerprint.
 A pretrained model's own Jinja template is ``needle.data.chat.JinjaChatFormat``;
-``needle.data.chat.format_for(tokenizer)`` picks the format for a tokenizer.
+``needle.data.chat.format_for(tokenizer)`` picks the format for a tokenizer. Needle 3's own row
+format (cactus-needle's) is ``needle.data.needle3_format.Needle3Format``; ``encode_prompts``
+gives any format's prompt ids (that one adds BOS as an id).
 
     ex = encode_example(row, tokenizer, max_len=256)          # needle's template
     fmt = NativeFormat(); fmt.parse(generated_text).calls
@@ -109,6 +111,15 @@ def encode_example(row: Row, tok: TokenizerLike, max_len: int) -> Example:
     if target[-1:] != [tok.end_id]:
         target.append(tok.end_id)
     return join_example(prompt, target, max_len)
+
+
+def encode_prompts(fmt: "ChatFormat", rows: list[Row], tok: TokenizerLike) -> list[list[int]]:
+    """The prompt ids generation starts from: ``fmt.encode_prompt`` where a format has one
+    (Needle 3's adds BOS, an id no text encodes to), else the encoded ``render_prompt`` text."""
+    own = getattr(fmt, "encode_prompt", None)
+    if own is not None:
+        return [own(row, tok) for row in rows]
+    return tok.encode_batch([fmt.render_prompt(row) for row in rows])
 
 
 @runtime_checkable

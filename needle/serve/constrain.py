@@ -19,9 +19,10 @@ Per chat format (needle/data/chat.py ``format_for``), what a call list is:
 - Qwen/Hermes: ``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`` blocks, none for [];
 - Llama 3.x: one ``{"name": …, "parameters": {…}}`` object, or nothing for [];
 - Needle 3's own format (needle/data/needle3_format.py): an optional space (SentencePiece's
-  dummy prefix), ``<tool_call>``, the compact JSON list, ``</tool_call>``, then ``<|im_end|>`` (a stop id), over its SentencePiece vocabulary (the
-  tokenizer's ``llguidance_tokenizer()``: byte pieces as bytes, ``▁`` as a space, markers special);
-  the optional ``<think>`` block is not offered: constrained rows answer directly;
+  dummy prefix), ``<tool_call>``, the compact JSON list, ``</tool_call>``, then ``<|im_end|>``
+  (a stop id), over its SentencePiece vocabulary (the tokenizer's ``llguidance_tokenizer()``:
+  byte pieces as bytes, ``▁`` as a space, the chat markers special); the optional ``<think>``
+  block is not offered: constrained rows answer directly;
 - FunctionGemma's ``call:name{…}`` is not JSON: ``Constraints.supported`` is False there and
   decoding stays free (``grammar_for`` raises :class:`UnsupportedFormat`).
 

@@ -87,26 +87,30 @@ def token_texts() -> list[str]:
 def render_examples() -> list[dict]:
     """Raw examples (the reference's input dicts) and whether needle's Row form renders the same."""
     compact = json.dumps(TOOLS[:2], separators=(",", ":"), ensure_ascii=False)
-    call = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+
+    def weather(city: str, **more: str) -> dict:
+        return {"name": "get_weather", "arguments": {"city": city, **more}}
+
+    timer = {"name": "set_timer", "arguments": {"minutes": 25, "label": "tea"}}
+    convert = {"name": "convert_currency", "arguments": {"amount": 472.18, "to_currency": "JPY", "urgent": True}}
+    rome = json.dumps([weather("Rome")], separators=(",", ":"))
     rows = [
         # (example, row_equivalent): needle parses rows (Row) and re-serialises tools compactly.
-        ({"query": "What's the weather in Paris in celsius?", "tools": TOOLS, "answers": [call]}, True),
+        ({"query": "What's the weather in Paris in celsius?", "tools": TOOLS,
+          "answers": [weather("Paris", unit="celsius")]}, True),
         ({"query": "Set a timer for 25 minutes called tea, then weather in Oslo", "tools": TOOLS,
-          "answers": [{"name": "set_timer", "arguments": {"minutes": 25, "label": "tea"}},
-                      {"name": "get_weather", "arguments": {"city": "Oslo"}}]}, True),
+          "answers": [timer, weather("Oslo")]}, True),
         ({"query": "Tell me a joke", "tools": TOOLS, "answers": []}, True),
-        ({"query": "Weather in Zürich?", "tools": TOOLS, "answers": [{"name": "get_weather", "arguments": {"city": "Zürich"}}],
+        ({"query": "Weather in Zürich?", "tools": TOOLS, "answers": [weather("Zürich")],
           "system": "  You are a helpful assistant.\n", "reasoning": "\n The user names Zürich. \n"}, True),
-        ({"query": "Convert 472.18 EUR to JPY urgently", "tools": TOOLS,
-          "answers": [{"name": "convert_currency", "arguments": {"amount": 472.18, "to_currency": "JPY", "urgent": True}}],
+        ({"query": "Convert 472.18 EUR to JPY urgently", "tools": TOOLS, "answers": [convert],
           "reasoning": "amount 472.18, target JPY"}, True),
-        ({"query": "東京の天気は？ 🎉", "tools": TOOLS, "answers": [{"name": "get_weather", "arguments": {"city": "東京"}}],
-          "system": "Answer briefly."}, True),
-        ({"query": "weather in Rome", "tools": compact, "answers": json.dumps([{"name": "get_weather", "arguments": {"city": "Rome"}}], separators=(",", ":")),
-          "reasoning": "   ", "system": ""}, True),
+        ({"query": "東京の天気は？ 🎉", "tools": TOOLS, "answers": [weather("東京")], "system": "Answer briefly."}, True),
+        ({"query": "weather in Rome", "tools": compact, "answers": rome, "reasoning": "   ", "system": ""}, True),
         # A JSON string with spaces: the reference keeps it verbatim, needle re-serialises it.
-        ({"query": "weather in Rome", "tools": json.dumps(TOOLS[:1]), "answers": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}, False),
-        ({"query": "timer 5 min", "tools": TOOLS[1:2], "function_calls": [{"name": "set_timer", "arguments": {"minutes": 5}}]}, False),
+        ({"query": "weather in Rome", "tools": json.dumps(TOOLS[:1]), "answers": [weather("Rome")]}, False),
+        ({"query": "timer 5 min", "tools": TOOLS[1:2],
+          "function_calls": [{"name": "set_timer", "arguments": {"minutes": 5}}]}, False),
         ({"query": "  spaced  query with <tool_call> inside\n", "tools": TOOLS[:1], "answers": []}, True),
     ]
     return [{"example": ex, "row_equivalent": same} for ex, same in rows]
@@ -133,8 +137,8 @@ def main() -> int:
         tok = tk.SANTokenizer(str(OUT / f"{name}.model"))
         assert tok.piece_id(tk.IM_START) == tk.IM_START_ID and tok.piece_id(tk.TOOL_RESULT_END) == tk.TOOL_RESULT_END_ID
         encoded = [{"text": t, "ids": tok.encode(t), "decoded": tok.decode(tok.encode(t))} for t in token_texts()]
-        id_lists = [[tk.BOS_ID, tk.IM_START_ID, 50, 60, tk.IM_END_ID, tk.EOS_ID, tk.PAD_ID], list(range(tok.vocab_size)),
-                    [tk.UNK_ID], list(range(20, 300))]
+        id_lists = [[tk.BOS_ID, tk.IM_START_ID, 50, 60, tk.IM_END_ID, tk.EOS_ID, tk.PAD_ID],
+                    list(range(tok.vocab_size)), [tk.UNK_ID], list(range(20, 300))]
         decoded = [{"ids": ids, "text": tok.decode(ids)} for ids in id_lists]
         renders = []
         for case in render_examples():
@@ -144,14 +148,16 @@ def main() -> int:
             ids, mask = ft._encode(tok, ex, n + 3)  # three pads: the reference pads to max_len
             short_ids, short_mask = ft._encode(tok, ex, n // 2)  # the reference truncates silently
             renders.append({**case, "prompt": prompt, "target": target, "ids": ids[:n], "mask": mask[:n],
-                            "padded_tail": ids[n:], "max_len_cut": n // 2, "cut_ids": short_ids, "cut_mask": short_mask})
+                            "padded_tail": ids[n:], "max_len_cut": n // 2,
+                            "cut_ids": short_ids, "cut_mask": short_mask})
         cases["tokenizers"][name] = {"vocab_size": tok.vocab_size, "encode": encoded,
                                      "decode": decoded, "render": renders}
     generated = [
         '<tool_call>[{"name":"get_weather","arguments":{"city":"Paris"}}]</tool_call><|im_end|>',
         "<think>\nthe user wants Paris\n</think>\n<tool_call>[]</tool_call><|im_end|>",
         '<tool_call>[{"name":"a","arguments":{}},{"name":"b","arguments":{"x":[1,2]}}]</tool_call>',
-        "I cannot help with that.", '<tool_call>[{"name":"a","arguments":{</tool_call>', '<tool_call>{"name":"a"}</tool_call>',
+        "I cannot help with that.", '<tool_call>[{"name":"a","arguments":{</tool_call>',
+        '<tool_call>{"name":"a"}</tool_call>',
     ]
     cases["calls_of"] = [{"text": t, "calls": ft._calls_of(t)} for t in generated]
     with open(OUT / "cases.json", "w", encoding="utf-8") as fh:

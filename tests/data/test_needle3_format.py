@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from needle.data.needle3_format import FORMAT_ID, Needle3Format, parse_needle3, render_example
-from needle.data.render import NativeFormat
+from needle.data.render import NativeFormat, encode_prompts
 from needle.data.schema import Row, parse_row
 from needle.eval.parse import parser_for
 from needle.needle3_tokenizer import MARKERS, SP_MODEL_FILE, Needle3Tokenizer
@@ -135,6 +135,7 @@ def test_rows_encode_to_the_references_ids_and_loss_mask(model) -> None:
         assert ex.loss_mask == [int(m) for m in case["mask"]]
         assert ex.ids[0] == 2 and ex.ids[-1] == 1 and ex.loss_mask[-1] == 1 and set(case["padded_tail"]) == {0}
         prompt = fmt.encode_prompt(row, tok)
+        assert encode_prompts(fmt, [row], tok) == [prompt]
         assert ex.ids[: len(prompt)] == prompt and not any(ex.loss_mask[: len(prompt)])
         assert all(ex.loss_mask[len(prompt) :])
 
@@ -173,7 +174,8 @@ def test_targets_parse_back_to_the_rows_answers_and_reasoning(model) -> None:
     _, cases = model
     fmt = Needle3Format()
     for row, _ in _rows(cases):
-        for text in (fmt.render_target(row), " " + fmt.render_target(row), fmt.render_target(row)[: -len("<|im_end|>")]):
+        target = fmt.render_target(row)
+        for text in (target, " " + target, target.removesuffix("<|im_end|>")):
             parsed = fmt.parse(text)
             assert parsed.ok and parsed.calls == row.answers, (text, parsed.error)
             assert parsed.reasoning == ((row.reasoning or "").strip() or None)
