@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -148,12 +149,13 @@ def test_an_over_long_row_is_flagged_not_cut_silently(model) -> None:
         assert ex.truncated and ex.ids == case["cut_ids"] and ex.loss_mask == [int(m) for m in case["cut_mask"]]
 
 
-def test_the_format_has_its_own_id_and_refuses_other_tokenizers(tok: Needle3Tokenizer, data_tokenizer) -> None:
+def test_the_format_has_its_own_id_and_refuses_other_tokenizers() -> None:
     fmt = Needle3Format()
     assert fmt.template_id().startswith(f"{FORMAT_ID}:") and fmt.template_id() != NativeFormat().template_id()
     row, _ = _rows(CASES["tokenizers"]["tokenizer"])[0]
+    native_ids = SimpleNamespace(bos_id=1, eos_id=2, encode=lambda text: [9])  # needle's BPE numbers them so
     with pytest.raises(ValueError, match="Needle 3 tokenizer"):
-        fmt.encode_example(row, data_tokenizer, 4096)
+        fmt.encode_example(row, native_ids, 4096)
 
 
 # --- parser ----------------------------------------------------------------------------------
@@ -270,3 +272,28 @@ def test_random_logits_under_the_grammar_write_only_valid_calls_to_offered_tools
                 jsonschema.validate(call["arguments"], arguments_schema(by_name[call["name"]]))
                 n_calls += 1
     assert n_calls > 0  # not only empty lists
+
+
+def test_a_tokenizer_with_sentencepieces_default_normaliser_decodes_valid_calls_too(tmp_path: Path) -> None:
+    """NFKC and whitespace folding (sentencepiece's defaults, the benchmark's stand-in): trained here."""
+    import io
+
+    import sentencepiece as spm
+
+    cases = CASES["tokenizers"]["tokenizer"]["render"]
+    texts = [c["prompt"] + c["target"] for c in cases] * 4
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=buf, vocab_size=400, model_type="bpe", pad_id=0, eos_id=1,
+        bos_id=2, unk_id=3, user_defined_symbols=list(MARKERS), byte_fallback=True, hard_vocab_limit=False,
+        character_coverage=1.0, minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    tok = Needle3Tokenizer(buf.getvalue())
+    tok.save(tmp_path)
+    assert load_tokenizer(tmp_path) == tok
+    cons = Constraints.for_tokenizer(tok, Needle3Format())
+    rows = [r for r, _ in _rows(CASES["tokenizers"]["tokenizer"])]
+    for row, ids in zip(rows, _random_decode(cons, rows, tok.vocab_size, max_new=120, seed=7)):
+        parsed = parse_needle3(tok.decode(ids))
+        assert parsed.ok, (tok.decode(ids), parsed.error)
+        assert {c["name"] for c in parsed.calls} <= {t["name"] for t in row.tools}
