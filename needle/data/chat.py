@@ -220,7 +220,11 @@ class JinjaChatFormat:
 
 
 def format_for(tok: TokenizerLike, template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
-    """The chat format of a tokenizer: its own Jinja template, else needle's (with a warning)."""
+    """The chat format of a tokenizer: the one it brings (Needle 3's), its own Jinja template,
+    else needle's (with a warning)."""
+    own = getattr(tok, "chat_format", None)
+    if callable(own):
+        return own()
     template = getattr(tok, "chat_template", None)
     if template:
         return JinjaChatFormat(template, getattr(tok, "special_tokens_map", {}), template_kwargs)

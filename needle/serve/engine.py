@@ -25,6 +25,7 @@ from typing import Any
 
 from needle.config import EvalConfig
 from needle.data.chat import format_for
+from needle.data.render import encode_prompts
 from needle.data.schema import Row, parse_row
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.model.io import LoadedModel
@@ -96,7 +97,7 @@ class Predictor:
             rows.append((i, row, matcher))
         if not rows:
             return out
-        prompts = self.tok.encode_batch([self.fmt.render_prompt(r) for _, r, _ in rows])
+        prompts = encode_prompts(self.fmt, [r for _, r, _ in rows], self.tok)
         fits = []
         for (i, _, m), p in zip(rows, prompts):
             if len(p) <= self.budget:
