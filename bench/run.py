@@ -10,7 +10,9 @@ utilisation, input wait), ``compile`` (cold vs warm persistent cache), ``needle_
 ``pipeline`` (MLflow logging share, and bench/pipeline.py: embedded flow vs bare library,
 ``prefect deployment run`` to first step),
 ``devices`` (1/2/4/8 virtual CPU devices), ``hf_load``, ``serve`` (bench/serve.py: `needle serve`
-latency and throughput, table shape and the OpenAI client, constrained vs free decoding). ``--quick`` runs peak and one tiny train config
+latency and throughput, table shape and the OpenAI client, constrained vs free decoding),
+``memory`` (bench/memory.py: real model shapes, LoRA 4x640 and decoding, old vs new code paths:
+tokens/s, share of peak, peak memory, rows/s). ``--quick`` runs peak and one tiny train config
 in-process (a smoke test). Every key is documented in docs/benchmark.md.
 """
 
@@ -31,7 +33,8 @@ from bench.fixtures import CACHE, REPO
 from bench.report import evaluate_targets, format_table
 
 SCHEMA_VERSION = 1
-SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load", "serve")
+SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load", "serve",
+            "memory")
 CACTUS_ROWS = 400  # rows of new.jsonl for the cactus comparison (Needle scores 10 % of them)
 
 
@@ -198,6 +201,17 @@ def bench_serve() -> dict[str, Any]:
         return {"status": "ok", **json.loads(target.read_text())}
 
 
+def bench_memory() -> dict[str, Any]:
+    """bench/memory.py in its own process (each shape and path in a child of it)."""
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        target = Path(tmp) / "memory.json"
+        done = subprocess.run([sys.executable, "-m", "bench.memory", "--out", str(target)], cwd=REPO,
+                              capture_output=True, text=True, timeout=4 * 3600)  # fmt: skip
+        if not target.exists():
+            return {"status": "failed", "error": f"bench.memory exited {done.returncode}: {done.stderr[-800:]}"}
+        return {"status": "ok", **json.loads(target.read_text())}
+
+
 def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> dict[str, Any]:
     result: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": dt.datetime.now().isoformat(timespec="seconds"),
                               "quick": quick, "machine": machine_info()}
@@ -226,6 +240,8 @@ def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> 
             result["hf_load"] = bench_hf_load()
         if "serve" in sections:
             result["serve"] = bench_serve()
+        if "memory" in sections:
+            result["memory"] = bench_memory()
     if skip_cactus:
         result["cactus"] = {"status": "skipped", "reason": "--skip-cactus"}
     result["machine"]["loadavg_end"] = _load()

@@ -140,7 +140,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_sample_model(args: argparse.Namespace) -> int:
     from needle.model.hf_sample import write_random_hf_model
 
-    print(write_random_hf_model(args.out_dir, args.arch, data=args.data, vocab_size=args.vocab_size, seed=args.seed))
+    print(write_random_hf_model(args.out_dir, args.arch, data=args.data, vocab_size=args.vocab_size, seed=args.seed,
+                                shape=args.shape))  # fmt: skip
     return 0
 
 
@@ -213,6 +214,8 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--data", default=None, help="JSONL rows to train its tokenizer on")
     p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", default=None, help="a real model's shape with random weights: smollm2-135m, qwen3-0.6b, "
+                   "gemma3-270m, or config.json keys as key=value,... (sets the model's vocab_size and size)")
     p.set_defaults(func=_cmd_sample_model)
 
 

@@ -230,6 +230,21 @@ class TrainConfig(_Strict):
     compilation_cache_dir: str | None = Field(
         ".cache/jax", description="persistent XLA compilation cache directory (None: off)"
     )
+    remat: Literal[
+        "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
+        "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
+    ] | None = Field(
+        None, description="per-block rematerialisation policy (none: off; everything: recompute each block; or a "
+        "jax.checkpoint_policies name); None: the backend's default (needle/hardware.py)"
+    )  # fmt: skip
+    attention: Literal["auto", "blocked", "dense"] | None = Field(
+        None, description="attention path: blocked (query blocks, no [B,H,T,T] tensor), dense (the old full scores), "
+        "auto (cuDNN on NVIDIA GPUs where it serves, else blocked); None: the backend's default"
+    )
+    loss_chunk: int | None = Field(
+        None, ge=0, description="tokens per chunk of the output layer and cross-entropy (0: full [B,T,V] logits); "
+        "None: the backend's default"
+    )
 
     @model_validator(mode="after")
     def _check_accum(self) -> "TrainConfig":

@@ -2,7 +2,24 @@
 
 ``probe()`` reports what JAX will run on (``jax.default_backend().lower()``: gpu, metal, tpu
 or cpu; ``JAX_PLATFORMS`` overrides). ``settings_for(backend)`` is the only place that maps a
-backend to compute dtype, fused attention, rematerialisation and layer-loop unrolling.
+backend to compute dtype, fused attention, rematerialisation policy, attention path, loss
+chunking and layer-loop unrolling; ``with_overrides(settings, train_cfg)`` applies a run's
+``TrainConfig.remat`` / ``attention`` / ``loss_chunk`` over those defaults.
+
+Defaults per backend (why: the CPU is memory- and bandwidth-bound on a 2-core, 24 GB box;
+accelerators have memory to spare for small models and want the fused kernels):
+
+=========  ==========================  =========  ==========
+backend    remat                       attention  loss_chunk
+=========  ==========================  =========  ==========
+cpu        dots_with_no_batch_dims...  blocked    256
+gpu/cuda   dots_saveable               auto       1024
+tpu        dots_saveable               auto       1024
+metal      none                        blocked    256
+=========  ==========================  =========  ==========
+
+``remat="none"``, ``attention="dense"`` and ``loss_chunk=0`` are the code paths before issue 20
+(no rematerialisation, full ``[B,H,T,T]`` scores, full ``[B,T,V]`` logits), kept selectable.
 
     python -m needle.cli probe [--json]
 """
@@ -16,6 +33,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 GPU_BACKENDS = frozenset({"gpu", "cuda", "rocm"})
+
+# Rematerialisation policies: "none" saves every activation (no remat), "everything" recomputes
+# each block's forward in the backward pass (saves only block inputs); any other name is one of
+# ``jax.checkpoint_policies`` (what may be saved), e.g. "dots_saveable".
+REMAT_POLICIES = (
+    "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
+    "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
+)  # fmt: skip
+# "dense": one [B,H,T,T] float32 score tensor per layer (the old path); "blocked": query blocks
+# (needle/model/attention.py), never the full score matrix; "auto": cuDNN's fused kernel through
+# jax.nn.dot_product_attention where it serves (NVIDIA GPU, half precision, no soft cap, no
+# packing), blocked everywhere else.
+ATTENTION_PATHS = ("auto", "blocked", "dense")
 
 
 def prepare_platform_env() -> None:
@@ -36,8 +66,23 @@ class BackendSettings:
     compute_dtype: str  # activations and matmuls; master weights stay float32
     param_dtype: str  # stored (master) weights
     fused_attention: bool  # use jax.nn.dot_product_attention's fused path
-    remat: bool  # rematerialise each block in the backward pass (memory for compute)
+    remat_policy: str  # per-block rematerialisation policy (REMAT_POLICIES); "none": off
     scan_layers: bool  # roll the layer loop with nn.scan (False: unrolled Python loop)
+    attention: str = "blocked"  # ATTENTION_PATHS
+    loss_chunk: int = 256  # tokens per chunk of the output layer + cross-entropy; 0: full [B,T,V] logits
+
+    def __post_init__(self) -> None:
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat policy {self.remat_policy!r}; choose one of {list(REMAT_POLICIES)}")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention {self.attention!r}; choose one of {list(ATTENTION_PATHS)}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
+
+    @property
+    def remat(self) -> bool:
+        """Whether blocks are rematerialised at all."""
+        return self.remat_policy not in ("none", "everything_saveable")
 
 
 def settings_for(backend: str) -> BackendSettings:
@@ -45,13 +90,38 @@ def settings_for(backend: str) -> BackendSettings:
     b = backend.lower()
     if b == "metal":
         # The Metal plugin lacks fused attention and handles remat and scanned loops poorly.
-        return BackendSettings(b, "float32", "float32", fused_attention=False, remat=False, scan_layers=False)
-    if b in GPU_BACKENDS:
-        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat=False, scan_layers=False)
-    if b == "tpu":
-        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat=False, scan_layers=False)
-    # CPU and anything unknown: plain float32, no tricks.
-    return BackendSettings(b, "float32", "float32", fused_attention=False, remat=False, scan_layers=False)
+        return BackendSettings(b, "float32", "float32", fused_attention=False, remat_policy="none", scan_layers=False,
+                               attention="blocked", loss_chunk=256)  # fmt: skip
+    if b in GPU_BACKENDS or b == "tpu":
+        # Plenty of memory for these model sizes: keep matmul outputs, recompute elementwise ops.
+        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat_policy="dots_saveable",
+                               scan_layers=False, attention="auto", loss_chunk=1024)  # fmt: skip
+    # CPU and anything unknown: float32; keep only the projections' outputs for the backward
+    # pass (attention scores and elementwise ops are recomputed), logits in chunks of 256 tokens.
+    return BackendSettings(b, "float32", "float32", fused_attention=False,
+                           remat_policy="dots_with_no_batch_dims_saveable", scan_layers=False,
+                           attention="blocked", loss_chunk=256)  # fmt: skip
+
+
+def with_overrides(settings: BackendSettings, train_cfg: Any = None, **overrides: Any) -> BackendSettings:
+    """``settings`` with a run's choices: ``train_cfg.remat`` / ``.attention`` / ``.loss_chunk``
+    (None keeps the backend default), then explicit keyword overrides (``remat=``, ``attention=``,
+    ``loss_chunk=``; None keeps)."""
+    from dataclasses import replace
+
+    picked: dict[str, Any] = {}
+    for key in ("remat", "attention", "loss_chunk"):
+        value = overrides.get(key)
+        if value is None and train_cfg is not None:
+            value = getattr(train_cfg, key, None)
+        if value is not None:
+            picked["remat_policy" if key == "remat" else key] = value
+    return replace(settings, **picked) if picked else settings
+
+
+def old_paths(settings: BackendSettings) -> BackendSettings:
+    """The code paths before issue 20 on this backend: no remat, dense attention, full logits."""
+    return with_overrides(settings, remat="none", attention="dense", loss_chunk=0)
 
 
 def probe() -> dict[str, Any]:
@@ -103,7 +173,8 @@ def format_probe(info: dict[str, Any]) -> str:
     s = info["settings"]
     lines.append(
         f"Settings: compute {s['compute_dtype']}, params {s['param_dtype']}, "
-        f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {'on' if s['remat'] else 'off'}"
+        f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat_policy']}, "
+        f"attention {s['attention']}, loss chunk {s['loss_chunk'] or 'off'}"
     )
     if info["backend"] in GPU_BACKENDS:
         lines.append("GPU acceleration enabled for fine-tuning")

@@ -13,7 +13,8 @@ How it stays fast and compiles few programs:
   at least 16, at most the model's ``max_len``) and gets a cache of ``min(max_len, P +
   max_new_tokens)`` slots, so there is one compiled program per (batch, bucket) pair;
 - one jitted call prefills the whole bucket (ragged rows read their logits at ``n_b - 1``, see
-  needle/model/transformer.py) and then runs a ``lax.while_loop`` of one-token cached steps that
+  needle/model/transformer.py: only those positions go through the output layer, and prefill
+  attention runs in query blocks) and then runs a ``lax.while_loop`` of one-token cached steps that
   stops as soon as every row has emitted a stop id or used its token budget.
 
 A prompt longer than ``max_len - max_new_tokens`` cannot fit a full-length answer. By default
@@ -98,6 +99,22 @@ def _check_prompts(model: Transformer, prompts: list[list[int]], max_new_tokens:
             )
 
 
+def _prefill(model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Any]:
+    """Fill the cache with ``tokens[B, P]``; return each row's next-token logits ``[B, V]`` (at
+    position ``lengths - 1``) and the cache. Only those B positions go through the output layer:
+    the final hidden states are gathered first (``return_hidden``), never ``[B, P, V]`` logits.
+    Settings with ``loss_chunk=0`` keep the path before issue 20 (full logits, then pick)."""
+    settings = getattr(model, "settings", None)
+    if settings is not None and getattr(settings, "loss_chunk", 1) == 0:
+        logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
+        return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], upd["cache"]
+    hidden, upd = model.apply(
+        {"params": params, "cache": cache}, tokens, None, decode=True, return_hidden=True, mutable=["cache"]
+    )
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return model.apply({"params": params}, last, method="logits"), upd["cache"]
+
+
 @partial(jax.jit, static_argnames=("model", "max_new"))
 def _decode_batch(
     model: Transformer,
@@ -116,8 +133,7 @@ def _decode_batch(
     ``stop_ids[K]`` is traced: one compiled program per number of stop ids, not per tokenizer.
     """
     rows = tokens.shape[0]
-    logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last, upd = _prefill(model, params, cache, tokens, lengths)
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     out = jnp.full((rows, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     # A row with limit 0 is batch padding; limit 1 has spent its budget on ``first``.
@@ -137,7 +153,7 @@ def _decode_batch(
         return step + 1, nxt, pos + 1, upd["cache"], out, done | jnp.isin(nxt, stop_ids) | (step + 1 >= limits)
 
     # Answer token k is fed at slot n_b + k, right after the prompt's last real slot.
-    state = (jnp.int32(1), first, lengths.astype(jnp.int32), upd["cache"], out, done)
+    state = (jnp.int32(1), first, lengths.astype(jnp.int32), upd, out, done)
     return jax.lax.while_loop(keep_going, one_step, state)[4]
 
 
@@ -158,9 +174,8 @@ def _masked_argmax(logits: jax.Array, bits: jax.Array, closing: jax.Array, score
 @partial(jax.jit, static_argnames="model", donate_argnames="cache")
 def _prefill_masked(model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
                     bits: jax.Array, closing: jax.Array, scores: jax.Array) -> tuple[jax.Array, Any]:  # fmt: skip
-    logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return _masked_argmax(last, bits, closing, scores), upd["cache"]
+    last, cache = _prefill(model, params, cache, tokens, lengths)
+    return _masked_argmax(last, bits, closing, scores), cache
 
 
 @partial(jax.jit, static_argnames="model", donate_argnames="cache")

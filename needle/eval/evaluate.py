@@ -41,8 +41,6 @@ from typing import Any
 
 import datasets
 import jax
-import jax.numpy as jnp
-import optax
 
 from needle.config import EvalConfig
 from needle.data.batching import BatchPlan
@@ -53,9 +51,11 @@ from needle.errors import DataError, DataIssue
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.metrics import score_predictions
 from needle.eval.parse import ParsedCall
-from needle.hardware import BackendSettings
+from needle.hardware import BackendSettings, settings_for
+from needle.model.factory import module_for
 from needle.model.io import LoadedModel, load_model
 from needle.model.transformer import Transformer
+from needle.train.loss import model_loss_sum
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,9 @@ def rows_of(split: datasets.Dataset | Sequence[Row | Mapping[str, Any]], max_row
 
 @partial(jax.jit, static_argnames="model")
 def _loss_sum(model: Transformer, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    logits = model.apply({"params": params}, batch["inputs"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(losses * batch["mask"]), jnp.sum(batch["mask"])
+    # The settings' loss_chunk > 0: logits a chunk of tokens at a time, never [B, T, V].
+    settings = getattr(model, "settings", None) or settings_for("cpu")
+    return model_loss_sum(model, {"params": params}, batch, settings.loss_chunk)
 
 
 def compute_val_loss(
@@ -155,7 +155,7 @@ def evaluate_model(
     loaded = resolve_model(model_dir_or_loaded)
     tok = loaded.tokenizer
     fmt = format_for(tok)
-    model = Transformer(loaded.model_cfg, settings=settings)
+    model = module_for(loaded.model_cfg, None, settings)
     rows = rows_of(split, cfg.max_rows)
     prompts, n_cut = fit_prompts(tok.encode_batch([fmt.render_prompt(r) for r in rows]), model, cfg.max_new_tokens)
     free = _decode_and_score(model, loaded.params, tok, fmt, rows, prompts, cfg, None)

@@ -75,6 +75,7 @@ import numpy as np
 
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
+from needle.model.attention import blocked_attention
 
 # Short names of the projections as LoraConfig.targets spells them.
 _TARGET_OF = {
@@ -207,6 +208,7 @@ class Attention(_Layer):
 
     decode: bool = False
     layer_type: str = "full_attention"
+    prefill: bool = False  # decode call with positions = arange(T): every visible slot is written now
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -223,26 +225,44 @@ class Attention(_Layer):
         k = apply_rope(k, positions, cfg.rope_theta, inv_freq)
         window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
         if self.decode and self.has_variable("cache", "cached_key"):
-            k, v, mask = self._update_cache(k, v, positions, window)
-            out = self._attend(q, k, v, mask=mask)
+            ck, cv, mask = self._update_cache(k, v, positions, window)
+            if self.prefill and t > 1 and self.settings.attention != "dense":
+                # Query p sees slots 0..p, all written by this call: attend to the new keys in
+                # blocks rather than scoring the whole cache.
+                out = self._attend(q, k, v, causal_window=window)
+            else:
+                out = self._attend(q, ck, cv, mask=mask)
         else:
             if self.decode:  # model.init(..., decode=True): only lay the cache out.
                 self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
                 self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
-            seg_mask = None
-            if segment_ids is not None:  # packed rows: attend within the row only
-                seg_mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # [B, 1, T, T]
-            out = self._attend(q, k, v, causal_window=window, segment_mask=seg_mask)
+            out = self._attend(q, k, v, causal_window=window, segment_ids=segment_ids)
         return self.proj("o_proj", cfg.d_model, cfg.o_bias)(out.reshape(b, t, cfg.n_heads * hd))
 
     def _attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, causal_window: int | None = None,
-        segment_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> jax.Array:  # fmt: skip
-        """Causal attention (``mask is None``), restricted to ``segment_mask`` (packed rows) when
-        given, or attention under an explicit ``mask`` (decoding)."""
+        """Causal attention (``mask is None``), restricted to equal ``segment_ids`` (packed rows)
+        when given, or attention under an explicit ``mask`` (decoding). ``settings.attention``
+        picks the path: "dense" scores all ``[B, H, T, T]`` at once (the path before issue 20),
+        "blocked" goes through needle/model/attention.py, "auto" takes cuDNN where it serves."""
         cfg = self.cfg
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
+        path = self.settings.attention
+        if mask is None and path != "dense":
+            fused = path == "auto" and cfg.attn_softcap is None and segment_ids is None and self._implementation(q)
+            if fused:
+                local = None if causal_window is None else (causal_window - 1, 0)
+                return jax.nn.dot_product_attention(
+                    q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
+                )
+            return blocked_attention(
+                q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap, segment_ids=segment_ids
+            )
+        segment_mask = None
+        if segment_ids is not None:  # packed rows: attend within the row only
+            segment_mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
         if cfg.attn_softcap is not None:
             return _softcapped_attention(q, k, v, mask, causal_window, scale, cfg.attn_softcap, segment_mask)
         if mask is not None:
@@ -327,11 +347,12 @@ class Block(_Layer):
 
     decode: bool = False
     layer_type: str = "full_attention"
+    prefill: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg, s = self.cfg, self.settings
-        attn = Attention(cfg, self.lora, s, self.decode, self.layer_type, name="attn")
+        attn = Attention(cfg, self.lora, s, self.decode, self.layer_type, self.prefill, name="attn")
         h = attn(self.norm("attn_norm")(x), positions, segment_ids)
         if cfg.post_norms:
             h = self.norm("post_attn_norm")(h)
@@ -355,17 +376,47 @@ class OutputKernel(nn.Module):
         return self.param("kernel", nn.initializers.lecun_normal(), shape, self.param_dtype)
 
 
+def remat_block(policy: str) -> type[Block]:
+    """``Block`` under the named rematerialisation policy (needle/hardware.py's REMAT_POLICIES)."""
+    if policy in ("none", "everything_saveable"):
+        return Block
+    if policy in ("everything", "nothing_saveable"):
+        return nn.remat(Block, prevent_cse=False)
+    return nn.remat(Block, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=False)
+
+
+def output_logits(cfg: ModelConfig, dtype: Any, x: jax.Array, w: jax.Array) -> jax.Array:
+    """Float32 logits ``[..., V]`` of final hidden states ``x[..., D]`` through ``w[D, V]`` (soft cap applied)."""
+    logits = jnp.einsum("...d,dv->...v", x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    if cfg.final_softcap is not None:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+
 class Transformer(nn.Module):
-    """The decoder: ``__call__(tokens[B,T], positions[B,T] | None, decode, segment_ids[B,T] | None) -> float32[B,T,V]``."""
+    """The decoder: ``__call__(tokens[B,T], positions[B,T] | None, decode, segment_ids[B,T] | None) -> float32[B,T,V]``.
+
+    ``return_hidden=True`` returns the final hidden states ``[B, T, D]`` (after the final norm,
+    compute dtype) instead of logits; ``apply(variables, hidden, method="logits")`` maps any
+    ``[..., D]`` of them to float32 logits ``[..., V]``. Together they let the loss
+    (needle/train/loss.py) and prefill (needle/eval/decode.py) form logits only where needed.
+    """
 
     cfg: ModelConfig
     lora: LoraConfig | None = None
     settings: BackendSettings | None = None
 
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits ``[..., V]`` of final hidden states ``[..., D]`` (output layer, soft cap)."""
+        s = self.settings or settings_for("cpu")
+        params = self.variables["params"]
+        w = params["embed"]["embedding"].T if self.cfg.tie_embeddings else params["lm_head"]["kernel"]
+        return output_logits(self.cfg, jnp.dtype(s.compute_dtype), hidden, w)
+
     @nn.compact
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None, decode: bool = False,
-        segment_ids: jax.Array | None = None,
+        segment_ids: jax.Array | None = None, return_hidden: bool = False,
     ) -> jax.Array:  # fmt: skip
         cfg = self.cfg
         s = self.settings or settings_for("cpu")
@@ -377,6 +428,7 @@ class Transformer(nn.Module):
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
         b, t = tokens.shape
+        prefill = decode and positions is None
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         elif positions.shape != tokens.shape:
@@ -393,18 +445,18 @@ class Transformer(nn.Module):
         if cfg.embed_scale:
             # Gemma multiplies by sqrt(d) rounded to the weights' dtype; here the compute dtype.
             x = x * jnp.asarray(cfg.d_model**0.5, dt).astype(jnp.float32)
-        block = nn.remat(Block) if s.remat else Block
+        # Remat only matters under differentiation; decoding keeps the plain block.
+        block = Block if decode else remat_block(s.remat_policy)
         for i, kind in enumerate(cfg.resolved_layer_types()):
-            x = block(cfg, self.lora, s, decode, kind, name=f"block_{i}")(x, positions, segment_ids)
+            x = block(cfg, self.lora, s, decode, kind, prefill, name=f"block_{i}")(x, positions, segment_ids)
         x = RMSNorm(cfg.norm_eps, dt, pdt, cfg.norm_offset_one, name="final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding.T
         else:
             w = OutputKernel(cfg.d_model, cfg.vocab_size, pdt, name="lm_head")()
-        logits = jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
-        if cfg.final_softcap is not None:
-            logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-        return logits
+        if return_hidden:
+            return x
+        return output_logits(cfg, dt, x, w)
 
 
 def init_cache(model: Transformer, batch_size: int, max_len: int) -> dict[str, Any]:

@@ -15,6 +15,12 @@ Only ``state.trainable`` receives gradients; ``state.frozen`` (a LoRA base) is c
 batch (``needle.data.batching.PackedPlan``) adds ``positions`` and ``segment_ids`` (int32[B, T]),
 passed on as ``apply_fn(trainable, frozen, inputs, positions=..., segment_ids=...)``; the loss
 stays the token-weighted mean over the mask, so it equals the loss of the same rows unpacked.
+
+When ``apply_fn`` carries its Flax module as ``apply_fn.model`` (``needle.train.finetune.ModelApply``)
+and the module's ``settings.loss_chunk`` is positive, the loss never forms the ``[B, T, V]``
+logits: it takes the final hidden states (``return_hidden=True``) and computes the output layer
+and cross-entropy ``loss_chunk`` tokens at a time (needle/train/loss.py); equal to the dense
+loss and gradient to float32 rounding. ``loss_chunk=0`` (or a bare function) is the dense path.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import optax
 from flax import struct
 
 from needle.config import OptimConfig
+from needle.train.loss import dense_loss_sum, model_loss_sum
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, PyTree, jax.Array], jax.Array]
@@ -141,14 +148,30 @@ def create_state(
 
 def _loss_sum(apply_fn: ApplyFn, trainable: PyTree, frozen: PyTree, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Sum of masked token cross-entropies (float32) and the number of loss tokens."""
+    chunk = loss_chunk_of(apply_fn)
+    if chunk:
+        from needle.model import lora as lora_lib
+
+        variables = {"params": lora_lib.combine(trainable, frozen)}
+        return model_loss_sum(apply_fn.model, variables, batch, chunk)  # type: ignore[attr-defined]
     if "segment_ids" in batch:  # packed rows: RoPE positions restart per row, attention stays within it
         logits = apply_fn(trainable, frozen, batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     else:
         logits = apply_fn(trainable, frozen, batch["inputs"])
-    logits = logits.astype(jnp.float32)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    mask = batch["mask"].astype(jnp.float32)
-    return jnp.sum(losses * mask), jnp.sum(mask)
+    return dense_loss_sum(logits, batch["targets"], batch["mask"])
+
+
+def loss_chunk_of(apply_fn: ApplyFn) -> int:
+    """Tokens per loss chunk of ``apply_fn``'s model (0: dense logits, also for a bare function)."""
+    model = getattr(apply_fn, "model", None)
+    if model is None:
+        return 0
+    settings = getattr(model, "settings", None)
+    if settings is None:
+        from needle.hardware import settings_for
+
+        settings = settings_for("cpu")
+    return int(getattr(settings, "loss_chunk", 0) or 0)
 
 
 def _split_micro(x: jax.Array, accum: int) -> jax.Array:

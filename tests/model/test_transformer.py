@@ -121,10 +121,13 @@ def test_bfloat16_compute_is_finite_and_close(cfg, base_params, make_tokens, log
 
 def test_remat_gives_same_logits_and_scan_is_refused(cfg, base_params, make_tokens, logits_of):
     tokens = make_tokens((1, 8))
-    cpu = settings_for("cpu")
+    cpu = dataclasses.replace(settings_for("cpu"), remat_policy="none")
     ref = logits_of(Transformer(cfg, settings=cpu), base_params, tokens)
-    remat = logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, remat=True)), base_params, tokens)
-    np.testing.assert_allclose(np.asarray(remat), np.asarray(ref), atol=1e-6)
+    for policy in ("everything", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+        remat = logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, remat_policy=policy)), base_params, tokens)
+        np.testing.assert_allclose(np.asarray(remat), np.asarray(ref), atol=1e-6)
+    with pytest.raises(ValueError, match="remat policy"):
+        dataclasses.replace(cpu, remat_policy="sometimes")
     with pytest.raises(ValueError, match="scan_layers"):
         logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, scan_layers=True)), base_params, tokens)
 
@@ -162,3 +165,21 @@ def test_packed_rows_give_the_logits_of_each_row_alone(cfg, make_tokens, family)
             at += n
     with pytest.raises(ValueError, match="segment_ids"):
         model.apply({"params": params}, tokens, segment_ids=jnp.asarray(segments[:, :5]))
+
+
+def test_sample_model_shapes():
+    """``needle sample-model --shape``: the presets are the real models' sizes; keys parse."""
+    from needle.model.hf import hf_config_to_model_config
+    from needle.model.hf_sample import parse_shape, shape_config
+
+    sizes = {"smollm2-135m": 134.5, "qwen3-0.6b": 596.0, "gemma3-270m": 268.1}
+    for name, millions in sizes.items():
+        cfg = hf_config_to_model_config(shape_config(name), max_len=64)
+        shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+        assert abs(sum(x.size for x in jax.tree.leaves(shapes)) / 1e6 - millions) < 0.1, name
+    assert parse_shape("hidden_size=96,num_hidden_layers=3,hidden_act=silu") == {
+        "hidden_size": 96, "num_hidden_layers": 3, "hidden_act": "silu"}
+    cfg = hf_config_to_model_config(shape_config("hidden_size=96,num_hidden_layers=3", "gemma3_text", 512))
+    assert (cfg.d_model, cfg.n_layers, len(cfg.resolved_layer_types()), cfg.vocab_size) == (96, 3, 3, 512)
+    with pytest.raises(ValueError, match="key=value"):
+        parse_shape("hidden_size")
