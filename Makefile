@@ -1,6 +1,7 @@
 # Two commands set up a fresh machine:
 #   make run   - create .venv, install, run the main job (embedded Prefect + MLflow on SQLite)
 #   make test  - create .venv, install (with the CPU torch wheel for the reference tier), run every test
+# and the documentation site: make docs (serve on 127.0.0.1:8000), make docs-build (--strict, as CI)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ export JAX_PLATFORMS ?= cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 
-.PHONY: run test test-fast bench serve install clean
+.PHONY: run test test-fast bench serve install clean docs docs-build
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +37,20 @@ bench: $(STAMP)
 serve: $(STAMP)
 	MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/.state/mlflow.db} \
 	  $(PY) -m flows.cli serve models:/needle@champion --host 127.0.0.1 --port $${PORT:-5123}
+
+# The documentation site (mkdocs.yml): the docs extra on top of the install; the reference pages
+# are generated from the code at every build (docs/gen_ref.py), into .cache/site.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:$${PORT:-8000}
+
+docs-build: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf .state .cache runs
