@@ -45,7 +45,7 @@ import jax
 from needle.config import EvalConfig
 from needle.data.batching import BatchPlan
 from needle.data.chat import format_for
-from needle.data.render import compact_json
+from needle.data.render import compact_json, encode_prompts
 from needle.data.schema import Row, parse_row, split_source
 from needle.errors import DataError, DataIssue
 from needle.eval.decode import generate_detailed, prompt_budget
@@ -118,15 +118,22 @@ def compute_val_loss(
     return total / tokens if tokens else None
 
 
-def fit_prompts(prompts: list[list[int]], model: Transformer, max_new_tokens: int) -> tuple[list[list[int]], int]:
+def fit_prompts(
+    prompts: list[list[int]], model: Any, max_new_tokens: int, keep_first: bool = False
+) -> tuple[list[list[int]], int]:
     """Left-truncate prompts that fill the whole context to leave ``max_new_tokens`` of room.
 
     Shorter prompts stay whole (the decoder shrinks their budget instead); returns the prompts
-    and how many were cut, which the metrics report.
+    and how many were cut, which the metrics report. ``keep_first`` keeps a BOS id in front
+    (formats that add one, Needle 3's).
     """
     budget = prompt_budget(model, max_new_tokens)
     too_long = [len(p) >= model.cfg.max_len for p in prompts]
-    return [p[-budget:] if cut else p for p, cut in zip(prompts, too_long)], sum(too_long)
+
+    def cut(p: list[int]) -> list[int]:
+        return p[:1] + p[len(p) - budget + 1 :] if keep_first else p[-budget:]
+
+    return [cut(p) if c else p for p, c in zip(prompts, too_long)], sum(too_long)
 
 
 def _example_row(row: Row, parsed: ParsedCall, text: str, finished: bool, flags: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +164,8 @@ def evaluate_model(
     fmt = format_for(tok)
     model = module_for(loaded.model_cfg, None, settings)
     rows = rows_of(split, cfg.max_rows)
-    prompts, n_cut = fit_prompts(tok.encode_batch([fmt.render_prompt(r) for r in rows]), model, cfg.max_new_tokens)
+    keep_bos = hasattr(fmt, "encode_prompt")
+    prompts, n_cut = fit_prompts(encode_prompts(fmt, rows, tok), model, cfg.max_new_tokens, keep_first=keep_bos)
     free = _decode_and_score(model, loaded.params, tok, fmt, rows, prompts, cfg, None)
     scored, examples, gen, decode_s = free
     extra: dict[str, Any] = {}
