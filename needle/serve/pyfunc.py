@@ -2,7 +2,7 @@
 
 The model is logged as code (``python_model`` = needle/serve/pyfunc_model.py, MLflow's "models
 from code"), so loading it unpickles nothing: the weights (orbax), config and tokenizer
-(``tokenizer.json``) travel as the artifact ``model``, the ``needle`` package itself as code
+(``tokenizer.json``, or Needle 3's ``tokenizer.model``) travel as the artifact ``model``, the ``needle`` package itself as code
 (``code_paths``), with a signature, an input example and pinned pip requirements.
 
 The artifact lies at the root of the MLflow model (its ``MLmodel`` entry points at ``.``), so a
@@ -33,7 +33,8 @@ CODE_FILE = Path(__file__).with_name("pyfunc_model.py")
 ARTIFACT = "model"
 # What the model's code imports, pinned to this environment's versions.
 REQUIREMENTS = ("mlflow", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "pandas", "tokenizers",
-                "llguidance", "jsonschema", "pydantic", "jinja2", "regex", "safetensors", "datasets")  # fmt: skip
+                "llguidance", "jsonschema", "pydantic", "jinja2", "regex", "safetensors", "datasets",
+                "sentencepiece")  # fmt: skip
 EXAMPLE_TOOLS = [
     {"name": "send_message", "description": "Send a text message",
      "parameters": {"type": "object", "properties": {"contact": {"type": "string"}, "text": {"type": "string"}},
