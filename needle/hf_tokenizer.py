@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
-from needle.tokenizer import TOKENIZER_FILE, RawTokenIds
+from needle.tokenizer_base import TOKENIZER_FILE, RawTokenIds
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"

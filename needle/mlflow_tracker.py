@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from needle.errors import NeedleError
-from needle.tracking import (
+from needle.redaction import (
     _MAX_PARAMS_PER_BATCH,
     MAX_PARAM_VALUE_CHARS,
     REDACTED,

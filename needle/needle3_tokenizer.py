@@ -32,7 +32,7 @@ from typing import Any
 
 import sentencepiece as spm
 
-from needle.tokenizer import SP_MODEL_FILE, TOKENIZER_FILE
+from needle.tokenizer_base import SP_MODEL_FILE, TOKENIZER_FILE
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

@@ -18,87 +18,21 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 from tokenizers import Regex
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|pad|>",
-    "<|bos|>",
-    "<|end|>",
-    "<|system|>",
-    "<|tools|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|think|>",
-    "<|call|>",
-)
-# The same tokens by role, so the template (needle/data/render.py) and the parser
-# (needle/eval/parse.py) never spell them out again.
-PAD, BOS, END, SYSTEM, TOOLS, USER, ASSISTANT, THINK, CALL = SPECIAL_TOKENS
-TOKENIZER_FILE = "tokenizer.json"
-SP_MODEL_FILE = "tokenizer.model"  # Needle 3's SentencePiece model (needle/needle3_tokenizer.py)
+# The shared layer, re-exported: ``from needle.tokenizer import TOKENIZER_FILE`` keeps working.
+from needle.tokenizer_base import (  # noqa: F401
+    ASSISTANT, BOS, CALL, END, PAD, SP_MODEL_FILE, SPECIAL_TOKENS, SYSTEM, THINK, TOKENIZER_FILE, TOOLS, USER,
+    RawTokenIds, TokenizerLike,
+)  # fmt: skip
+
 # A word with the punctuation that follows it, a single digit, a punctuation run, or whitespace.
 # Digits stay single tokens: a small model copies "K33026" or "472.18" from the query into the
 # call far more reliably when every number is spelt the same way, digit by digit.
 PRE_TOKEN_PATTERN = r" ?\p{L}+[^\s\p{L}\p{N}]*| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-
-@runtime_checkable
-class TokenizerLike(Protocol):
-    """What the data, training and eval code need from a tokenizer (native or Hugging Face)."""
-
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def pad_id(self) -> int: ...
-    @property
-    def end_id(self) -> int: ...
-    @property
-    def stop_ids(self) -> tuple[int, ...]: ...
-    @property
-    def chat_template(self) -> str | None: ...
-    def token_id(self, tok: str) -> int: ...
-    def encode(self, text: str) -> list[int]: ...
-    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str: ...
-    def to_json(self) -> str: ...
-    def save(self, directory: str | Path) -> Path: ...
-
-
-class RawTokenIds:
-    """Ids and text over a ``tokenizers.Tokenizer`` in ``self._raw``: what both wrappers share.
-
-    Text is always encoded without the tokenizer's own special-token post-processing: every
-    chat template writes its special tokens itself.
-    """
-
-    _raw: RawTokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        return self._raw.get_vocab_size(with_added_tokens=True)
-
-    def token_id(self, tok: str) -> int:
-        """Id of one token string (special or ordinary); KeyError if it is not in the vocab."""
-        got = self._raw.token_to_id(tok)
-        if got is None:
-            raise KeyError(f"token {tok!r} is not in the vocabulary")
-        return got
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text become their ids."""
-        return list(self._raw.encode(text, add_special_tokens=False).ids)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """``encode`` over many texts at once (parallel inside ``tokenizers``)."""
-        return [list(e.ids) for e in self._raw.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        """Text of ``ids``; exact inverse of :meth:`encode` unless ``skip_special``."""
-        return self._raw.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
 class Tokenizer(RawTokenIds):

@@ -40,7 +40,7 @@ from needle.needle3_tokenizer import (
     BOS_ID, EOS_ID, IM_END, IM_START, MARKERS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START, TOOLS_END,
     TOOLS_START,
 )  # fmt: skip
-from needle.tokenizer import TokenizerLike
+from needle.tokenizer_base import TokenizerLike
 
 FORMAT_ID = "needle3"
 TEMPLATE_VERSION = "1"

@@ -27,7 +27,7 @@ import re
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from needle.data.schema import Row
-from needle.tokenizer import ASSISTANT, BOS, CALL, END, SYSTEM, THINK, TOOLS, USER, TokenizerLike
+from needle.tokenizer_base import ASSISTANT, BOS, CALL, END, SYSTEM, THINK, TOOLS, USER, TokenizerLike
 
 if TYPE_CHECKING:
     from needle.eval.parse import ParsedCall

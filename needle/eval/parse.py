@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from needle.tokenizer import CALL, END, THINK
+from needle.tokenizer_base import CALL, END, THINK
 
 CALL_KEYS = frozenset({"name", "arguments"})
 

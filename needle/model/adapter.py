@@ -15,37 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-from flax import traverse_util
-
 from needle.errors import ModelImportError
-from needle.model.lora import Params
 
-ADAPTER_FILE = "adapter.safetensors"
+# The adapter file lives in the layout layer (needle/model/layout.py): io writes it there.
+from needle.model.layout import ADAPTER_FILE, load_adapter, save_adapter  # noqa: F401
+
 ExportFormat = Literal["hf", "peft", "needle"]
-
-
-def save_adapter(lora_params: Params, model_dir: str | Path) -> Path:
-    """Write the adapter leaves of ``lora_params`` (other leaves are ignored) as safetensors."""
-    from safetensors.numpy import save_file
-
-    flat = traverse_util.flatten_dict(lora_params)
-    tensors = {"/".join(k): np.asarray(v, np.float32) for k, v in flat.items() if k[-1] in ("lora_a", "lora_b")}
-    if not tensors:
-        raise ValueError("save_adapter: no lora_a/lora_b leaves in these params")
-    path = Path(model_dir) / ADAPTER_FILE
-    save_file(tensors, str(path), metadata={"format": "needle-lora"})
-    return path
-
-
-def load_adapter(model_dir: str | Path) -> Params:
-    """The adapter leaves saved by :func:`save_adapter`, as a nested params tree."""
-    from safetensors.numpy import load_file
-
-    path = Path(model_dir) / ADAPTER_FILE
-    if not path.is_file():
-        raise ModelImportError(f"{model_dir}: no {ADAPTER_FILE}: only a LoRA run's model has an adapter to export")
-    return traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in load_file(str(path)).items()})
 
 
 def base_source_of(meta: dict[str, Any]) -> dict[str, Any]:

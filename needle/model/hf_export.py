@@ -88,7 +88,7 @@ def _staged(out_dir: str | Path) -> tuple[Path, Path]:
 
 
 def _finish(staged: Path, target: Path) -> Path:
-    from needle.model.io import _swap_in  # lazy: io imports the HF modules lazily too
+    from needle.model.layout import _swap_in
 
     _swap_in(staged, target)
     return target

@@ -73,7 +73,7 @@ def hf_key_map(cfg: ModelConfig) -> KeyMap:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint shape of every tensor in :func:`hf_key_map` (HF layout), without building params."""
-    from needle.model.io import abstract_params  # lazy: io imports this module
+    from needle.model.layout import abstract_params
 
     flat = traverse_util.flatten_dict(abstract_params(cfg))
     return {k: tuple(flat[path].shape[::-1] if t else flat[path].shape) for k, (path, t) in hf_key_map(cfg).items()}

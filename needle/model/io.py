@@ -27,47 +27,25 @@ registry read it back with :func:`load_model`; ``module_for(cfg)`` (a LoRA-free 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from needle.config import ModelConfig
 from needle.errors import CheckpointMismatchError, ModelImportError, ModelNotFoundError
 from needle.model.lora import LORA_LEAVES, Params
-from needle.model.factory import module_for
 
-PARAMS_DIR = "params"
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer.model")  # tokenizers' JSON, or Needle 3's SentencePiece model
-META_FILE = "meta.json"
-REQUIRED = (PARAMS_DIR, CONFIG_FILE, TOKENIZER_FILE, META_FILE)
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """An exported model read back: params (jax arrays), its config, tokenizer and metadata."""
-
-    params: Params
-    model_cfg: ModelConfig
-    tokenizer: Any
-    meta: dict[str, Any]
-
-
-def abstract_params(cfg: ModelConfig) -> Params:
-    """Shapes and dtypes of a LoRA-free model's params, without computing any."""
-    model = module_for(cfg)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+# The file layout and its shared pieces live one layer down (needle/model/layout.py), so the
+# HF, adapter and Needle 3 modules that io dispatches to never import io back for them.
+from needle.model.layout import (  # noqa: F401
+    CONFIG_FILE, META_FILE, PARAMS_DIR, REQUIRED, TOKENIZER_FILE, TOKENIZER_FILES, LoadedModel,
+    _swap_in, abstract_params, save_adapter,
+)  # fmt: skip
 
 
 def _check_layout(params: Params, cfg: ModelConfig) -> None:
@@ -85,17 +63,6 @@ def _check_layout(params: Params, cfg: ModelConfig) -> None:
     ]
     if problems:
         raise CheckpointMismatchError("save_model: params do not match the model config:\n  " + "\n  ".join(problems))
-
-
-def _swap_in(staged: Path, target: Path) -> None:
-    """Rename ``staged`` to ``target``; an existing model is moved aside first, then deleted."""
-    if not target.exists():
-        os.replace(staged, target)
-        return
-    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-    os.replace(target, old)
-    os.replace(staged, target)
-    shutil.rmtree(old)
 
 
 def save_model(
@@ -125,8 +92,6 @@ def save_model(
         (staged / META_FILE).write_text(meta_text, encoding="utf-8")
         tokenizer.save(staged)
         if adapter is not None:
-            from needle.model.adapter import save_adapter
-
             save_adapter(adapter, staged)
         if not _present(staged, TOKENIZER_FILE):
             raise ValueError(f"save_model: tokenizer.save() wrote none of {', '.join(TOKENIZER_FILES)}")
