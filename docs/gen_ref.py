@@ -16,6 +16,7 @@ writes the pages to a folder for a look: ``python docs/gen_ref.py /tmp/ref``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import typing
@@ -121,7 +122,7 @@ def config_page() -> str:
         out += ["", f"## `{module_name}`"]
         for name in names:
             cls = getattr(module, name)
-            doc = (cls.__doc__ or "").strip()
+            doc = inspect.cleandoc(cls.__doc__ or "")
             out += ["", f"### {name}", ""]
             if doc:
                 out += [doc, ""]
