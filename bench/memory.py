@@ -14,7 +14,9 @@ For each shape of ``needle.model.hf_sample.SHAPES`` (random weights: the 135M Ll
 
 ``old`` is the code before issue 20, selected by config (``needle.hardware.old_paths``: remat
 "none", attention "dense", loss_chunk 0, which also makes prefill form full ``[B, P, V]``
-logits); ``new`` is the backend's defaults (needle/hardware.py). A process whose RSS passes
+logits); ``new`` is the backend's defaults (needle/hardware.py) and, on CPU, XLA's
+memory-minimising scheduler (``needle.hardware.cpu_xla_flags``, which ``prepare_platform_env``
+sets). A process whose RSS passes
 ``--rss-limit-gb`` stops itself and is recorded as over the limit (the machine is shared).
 
     python -m bench.memory [--shapes smollm2-135m,gemma3-270m] [--paths old,new] [--steps 2]
@@ -197,6 +199,10 @@ def run_child(kind: str, shape: str, path: str, args: argparse.Namespace) -> dic
         cmd = [sys.executable, "-m", "bench.memory", "--child", kind, shape, path, str(out),
                "--steps", str(args.steps), "--rows", str(args.rows), "--rss-limit-gb", str(args.rss_limit_gb)]  # fmt: skip
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        if path == "new":  # the new path's environment: XLA's memory-aware CPU scheduler
+            from needle.hardware import cpu_xla_flags
+
+            env["XLA_FLAGS"] = cpu_xla_flags(env.get("XLA_FLAGS", ""))
         t0 = time.perf_counter()
         try:
             done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s)

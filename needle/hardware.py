@@ -56,6 +56,21 @@ def prepare_platform_env() -> None:
     """
     if sys.platform == "darwin":
         os.environ.setdefault("ENABLE_PJRT_COMPATIBILITY", "1")
+    os.environ["XLA_FLAGS"] = cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+
+
+# XLA's CPU scheduler defaults to maximising concurrency, which hoists rematerialised forward
+# work of every layer to the start of the backward pass and defeats remat (measured on the
+# 135M Llama shape, 12 layers: 2.9 -> 1.8 GB of temporaries). The memory-minimising scheduler
+# keeps remat's savings; on 2 cores the lost concurrency is negligible.
+_CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def cpu_xla_flags(existing: str = "") -> str:
+    """``existing`` XLA_FLAGS plus the CPU scheduler flag above, unless the user set that flag."""
+    if "xla_cpu_enable_concurrency_optimized_scheduler" in existing:
+        return existing
+    return f"{existing} {_CPU_SCHEDULER_FLAG}".strip()
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,10 @@ def _block(
 
 def blocked_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None, window: int | None = None,
-    softcap: float | None = None, segment_ids: jax.Array | None = None, block: int = 256,
+    softcap: float | None = None, segment_ids: jax.Array | None = None, block: int = 256, checkpoint: bool = True,
 ) -> jax.Array:  # fmt: skip
-    """Causal grouped-query attention in query blocks of ``block`` (module doc)."""
+    """Causal grouped-query attention in query blocks of ``block`` (module doc); ``checkpoint=False``
+    leaves rematerialisation to the caller (a block-level remat policy already recomputes it)."""
     b, t, h, hd = q.shape
     kv = k.shape[2]
     if h % kv:
@@ -59,7 +60,7 @@ def blocked_attention(
         raise ValueError(f"blocked attention is self-attention: {t} queries, {k.shape[1]} keys")
     scale = hd**-0.5 if scale is None else float(scale)
     qg = q.reshape(b, t, kv, h // kv, hd)
-    fn = jax.checkpoint(_block, static_argnums=(3, 4, 5, 6, 7))
+    fn = jax.checkpoint(_block, static_argnums=(3, 4, 5, 6, 7)) if checkpoint else _block
     outs = []
     for start in range(0, t, block):
         end = min(t, start + block)

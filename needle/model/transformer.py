@@ -258,7 +258,8 @@ class Attention(_Layer):
                     q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation="cudnn"
                 )
             return blocked_attention(
-                q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap, segment_ids=segment_ids
+                q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap, segment_ids=segment_ids,
+                checkpoint=not self.settings.remat,
             )
         segment_mask = None
         if segment_ids is not None:  # packed rows: attend within the row only
@@ -381,8 +382,8 @@ def remat_block(policy: str) -> type[Block]:
     if policy in ("none", "everything_saveable"):
         return Block
     if policy in ("everything", "nothing_saveable"):
-        return nn.remat(Block, prevent_cse=False)
-    return nn.remat(Block, policy=getattr(jax.checkpoint_policies, policy), prevent_cse=False)
+        return nn.remat(Block)
+    return nn.remat(Block, policy=getattr(jax.checkpoint_policies, policy))
 
 
 def output_logits(cfg: ModelConfig, dtype: Any, x: jax.Array, w: jax.Array) -> jax.Array:
