@@ -76,13 +76,15 @@ def build(name: str, fields: dict, seed: int) -> None:
     cfg = TransformerConfig(**fields)
     model = SimpleAttentionNetwork(cfg)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 8), jnp.int32), method=_all_heads)["params"]
-    # Perturb every leaf (the zero/identity-initialised ones too) so each switch shows in the
-    # logits, with a wide embedding so greedy decoding does not settle on one token at once.
+    # Perturb every leaf but the embedding (the zero/identity-initialised ones too) so each switch
+    # shows in the logits; the residual branches' gains strongly, so that greedy decoding does not
+    # just repeat the last token (the tied head's default).
     rng = np.random.default_rng(seed)
     flat = flatten(jax.tree.map(np.asarray, params))
     for key, value in flat.items():
-        noise = 0.5 if key == "embedding/embedding" else 0.05
-        flat[key] = (value + rng.normal(0, noise, value.shape)).astype(np.float32)
+        if key != "embedding/embedding":
+            noise = 0.5 if key.endswith(("/d4", "/attn_gate", "out_proj/kernel")) else 0.05
+            flat[key] = (value + rng.normal(0, noise, value.shape)).astype(np.float32)
     from needle.model.checkpoints import unflatten
 
     params = unflatten(flat)
@@ -124,7 +126,7 @@ def build(name: str, fields: dict, seed: int) -> None:
              qat_logits=qat_logits, lora_scale=np.float32(scale), prompt=np.asarray(prompt, np.int32),
              greedy=np.asarray(greedy, np.int32))  # fmt: skip
     print(f"{name}: {len(flat)} tensors, logits {logits.shape}, |quant - plain| max "
-          f"{np.abs(quant_logits - logits).max():.3g}, greedy {greedy}")
+          f"{np.abs(quant_logits - logits).max():.3g}, greedy {greedy}", flush=True)
 
 
 def main() -> None:

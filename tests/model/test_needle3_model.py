@@ -135,12 +135,25 @@ def _greedy_cached(model: Needle3Model, params: dict, prompt: np.ndarray, steps:
     return out, np.concatenate(seq_logits)
 
 
-@pytest.mark.parametrize("name", ["full", pytest.param("odd", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["full", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_cached_greedy_equals_reference(name: str) -> None:
     """20 greedy tokens through the KV cache equal the reference's uncached generate loop."""
     params, _, ref = fixture(name)
     tokens, _ = _greedy_cached(model_of(name), params, ref["prompt"], 20)
     assert tokens == ref["greedy"].tolist()
+
+
+@pytest.mark.slow
+def test_needle_decoder_runs_needle3_unchanged() -> None:
+    """needle/eval/decode.py's batched cached greedy decoding (prefill + while_loop) on Needle 3."""
+    from needle.eval import decode
+
+    params, _, ref = fixture("full")
+    greedy = ref["greedy"].tolist()
+    end = next(i for i in range(64) if i not in greedy)
+    prompts = [ref["prompt"].tolist(), ref["prompt"][:4].tolist()]
+    out = decode.generate(model_of("full"), params, prompts, max_new_tokens=20, end_id=[end], pad_id=0, batch_size=2)
+    assert out[0] == greedy
 
 
 @pytest.mark.slow

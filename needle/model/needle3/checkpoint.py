@@ -114,7 +114,7 @@ def needle3_model_config(config: Any, max_len: int | None = None) -> Any:
     qk = n3.qk_head_dim or n3.d_model // n3.num_heads
     return ModelConfig(
         preset="needle3", arch="needle3", needle3=n3, vocab_size=n3.vocab_size, d_model=n3.d_model,
-        n_layers=n3.num_layers, n_heads=n3.num_heads, n_kv_heads=n3.num_kv_heads, head_dim=qk + qk % 2,
+        n_layers=n3.num_layers, n_heads=n3.num_heads, n_kv_heads=n3.num_kv_heads, head_dim=qk,
         max_len=max_len or n3.max_seq_len, rope_theta=n3.rope_theta, tie_embeddings=True,
     )  # fmt: skip
 
