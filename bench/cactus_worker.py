@@ -94,6 +94,18 @@ def build_base(spec: dict, path: str) -> dict:
     from needle.model.checkpoints import write_checkpoint
     from needle.model.run import CHECKPOINT_FORMAT_VERSION
 
+    if spec.get("n3_config"):  # an exact Needle 3 config (bench/needle3.py), no size search
+        from needle.model.architecture import TransformerConfig
+
+        config = TransformerConfig(**spec["n3_config"])
+        params = SimpleAttentionNetwork(config).init(
+            jax.random.PRNGKey(spec.get("seed", 0)), jnp.zeros((1, 8), jnp.int32)
+        )["params"]
+        params = jax.tree.map(np.asarray, params)
+        write_checkpoint(path, {"format_version": CHECKPOINT_FORMAT_VERSION, "params": params,
+                                "config": dict(config.__dict__)})
+        return {"d_model": config.d_model, "n_params": int(sum(x.size for x in jax.tree.leaves(params))),
+                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.__dict__.items()}}
     step = 2 * spec["n_heads"] * 8
     candidates = [(abs(count_params(make_config(spec, d)) - spec["target_params"]), d)
                   for d in range(step, 8 * spec["d_model"] + 1, step)]
@@ -161,6 +173,14 @@ def run(spec: dict) -> dict:
     base_path = os.path.join(work, "base.safetensors")
     result["base"] = build_base(spec, base_path)
     result["prep_s"] = time.perf_counter() - t
+    if spec.get("keep_dir"):  # the same base for needle, laid out as the hub repository is
+        import shutil
+
+        keep = spec["keep_dir"]
+        os.makedirs(os.path.join(keep, "checkpoints"), exist_ok=True)
+        os.makedirs(os.path.join(keep, "tokenizer"), exist_ok=True)
+        shutil.copyfile(base_path, os.path.join(keep, "checkpoints", "needle3.safetensors"))
+        shutil.copyfile(os.path.join(work, "tokenizer.model"), os.path.join(keep, "tokenizer", "tokenizer.model"))
 
     tok = get_tokenizer(spec["vocab_size"])
     seq_len = ft.fit_max_len(spec["jsonl"], tok, spec["max_len"])

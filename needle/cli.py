@@ -138,8 +138,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_sample_model(args: argparse.Namespace) -> int:
-    from needle.model.hf_sample import write_random_hf_model
+    from needle.model.hf_sample import parse_shape, write_random_hf_model
 
+    if args.arch == "needle3":
+        from needle.model.needle3_sample import SHAPES, write_random_needle3
+
+        shape = args.shape or "tiny"
+        print(write_random_needle3(args.out_dir, data=args.data, seed=args.seed,
+                                   shape=shape if shape in SHAPES else parse_shape(shape) or {}))  # fmt: skip
+        return 0
     print(write_random_hf_model(args.out_dir, args.arch, data=args.data, vocab_size=args.vocab_size, seed=args.seed,
                                 shape=args.shape))  # fmt: skip
     return 0
@@ -208,14 +215,16 @@ def _add_data_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sample)
 
-    p = sub.add_parser("sample-model", help="write a tiny random Hugging Face model (demos and tests, offline)")
+    p = sub.add_parser("sample-model", help="write a random Hugging Face model or Needle 3 base (demos and tests, offline)")
     p.add_argument("out_dir")
-    p.add_argument("--arch", choices=["qwen3", "qwen2", "llama", "gemma3_text"], default="qwen3")
+    p.add_argument("--arch", choices=["qwen3", "qwen2", "llama", "gemma3_text", "needle3"], default="qwen3",
+                   help="needle3: checkpoints/needle3.safetensors + tokenizer/tokenizer.model, as the hub repository")
     p.add_argument("--data", default=None, help="JSONL rows to train its tokenizer on")
     p.add_argument("--vocab-size", type=positive_int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", default=None, help="a real model's shape with random weights: smollm2-135m, qwen3-0.6b, "
-                   "gemma3-270m, or config.json keys as key=value,... (sets the model's vocab_size and size)")
+                   "gemma3-270m, or config.json keys as key=value,... (sets the model's vocab_size and size); "
+                   "needle3: tiny (default), needle3 (cactus-needle 3.2.8's defaults) or TransformerConfig keys")
     p.set_defaults(func=_cmd_sample_model)
 
 

@@ -63,7 +63,7 @@ class Needle3Config(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="compute dtype of the reference")
     flash: bool = Field(True, description="reference's fused-attention switch (numerics unchanged)")
     engram_orders: tuple[int, ...] = Field((2, 3), description="Engram n-gram orders")
-    engram_heads: int = Field(0, ge=0, description="Engram hash heads per order (0: Engram off)")
+    engram_heads: int = Field(0, ge=0, description="Engram hash heads per order (0: derived from d_model; Engram is off when engram_layers is empty)")
     engram_slots: int = Field(18432, ge=0, description="Engram table rows per head")
     engram_seed_heads: int = Field(0, ge=0, description="Engram heads seeded from unigram ids")
     engram_layers: tuple[int, ...] = Field((3, 7, 11, 15, 19), description="layers that read Engram memory")

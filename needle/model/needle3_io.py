@@ -35,14 +35,6 @@ DEFAULT_CHECKPOINT = "needle3.safetensors"  # cactus-needle's DEFAULT_BASE names
 ALLOW_PATTERNS = [f"{CHECKPOINTS_DIR}/*.safetensors", f"{TOKENIZER_DIR}/*", "*.safetensors", SP_MODEL_FILE]
 # The context a Needle 3 base is fine-tuned with unless max_len asks for more (up to max_seq_len).
 IMPORTED_MAX_LEN = 2048
-# The reference's ``TransformerConfig.from_saved``: keys older checkpoints lack, with their "off" value.
-_FROM_SAVED_DEFAULTS = {
-    "qk_head_dim": 0, "v_head_dim": 0, "sliding_window": 0, "global_layers": (), "ladder_depths": (),
-    "ladder_sample": False, "ladder_widths": (), "ladder_order": (), "engram_seed_heads": 0,
-    "qkv_conv_taps": 0, "out_vocab": 0,
-}  # fmt: skip
-
-
 def is_needle3_source(spec: str | Path) -> bool:
     """True for a ``.safetensors`` file or a directory laid out as a Needle 3 hub repository."""
     p = Path(spec)
@@ -57,37 +49,25 @@ def _looks_like_pickle(path: Path) -> bool:
 
 
 def needle3_config(raw: dict[str, Any], where: str) -> Needle3Config:
-    """A checkpoint's ``config`` metadata as a validated ``Needle3Config`` (Needle 2 refused)."""
-    raw = dict(raw)
-    if "attn_dim" in raw:
-        if "qk_head_dim" not in raw:  # cactus-needle 3's load_checkpoint draws the same line
-            raise ModelImportError(
-                f"{where}: a Needle 2 checkpoint (config has attn_dim, no qk_head_dim); needle fine-tunes "
-                "Needle 3 checkpoints (cactus-needle 2.x reads this one)"
-            )
-        legacy = raw.pop("attn_dim") // raw.get("num_heads", Needle3Config.model_fields["num_heads"].default)
-        raw.setdefault("v_head_dim", legacy)
-    data = {**_FROM_SAVED_DEFAULTS, **raw}
-    unknown = sorted(set(data) - set(Needle3Config.model_fields))
-    if unknown:
-        raise ModelImportError(f"{where}: config keys this needle does not know (a newer Needle?): {', '.join(unknown)}")
+    """A Needle 3 config (a checkpoint's, or a sample shape) validated; unsupported switches refused by name."""
+    from needle.model.needle3.architecture import check_supported
+
     try:
-        return Needle3Config.model_validate(data)
+        n3 = Needle3Config.model_validate(raw)
+        check_supported(n3)
     except ValueError as e:
-        raise ModelImportError(f"{where}: invalid Needle 3 config: {e}") from e
+        raise ModelImportError(f"{where}: unsupported Needle 3 config: {e}") from e
+    return n3
 
 
 def model_config_of(n3: Needle3Config, max_len: int | None = None) -> ModelConfig:
-    """needle's ``ModelConfig`` for a Needle 3 config: the shared fields mirror it, ``needle3`` holds it."""
-    head = n3.qk_head_dim or n3.d_model // n3.num_heads
+    """needle's ``ModelConfig`` for a Needle 3 base: context ``max_len`` (default ``IMPORTED_MAX_LEN``), capped by the model's."""
+    from needle.model.needle3.checkpoint import needle3_model_config
+
     limit = max_len or min(IMPORTED_MAX_LEN, n3.max_seq_len)
     if limit > n3.max_seq_len:
         raise ModelImportError(f"max_len {limit} exceeds the Needle 3 model's max_seq_len {n3.max_seq_len}")
-    return ModelConfig(
-        preset="needle3", arch="needle3", needle3=n3, vocab_size=n3.vocab_size, d_model=n3.d_model,
-        n_layers=n3.num_layers, n_heads=n3.num_heads, n_kv_heads=n3.num_kv_heads, head_dim=head,
-        d_ff=4 * n3.d_model, max_len=limit, rope_theta=n3.rope_theta, tie_embeddings=not n3.out_vocab,
-    )  # fmt: skip
+    return needle3_model_config(n3, limit)
 
 
 def find_checkpoint(root: Path) -> Path:
