@@ -50,6 +50,8 @@ def train_sp_model(texts: list[str], vocab_size: int) -> bytes:
         sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
         pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID, user_defined_symbols=list(MARKERS),
         byte_fallback=True, hard_vocab_limit=False, character_coverage=1.0, minloglevel=2,
+        # Newlines are part of Needle's format: no NFKC folding, whitespace kept as written.
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
     )  # fmt: skip
     return buf.getvalue()
 
