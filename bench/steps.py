@@ -42,14 +42,14 @@ def jitted_train_step() -> Any:
 def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, lora_rank: int = 16) -> tuple[Any, Any]:
     """A fresh ``TrainState`` for ``preset`` in ``mode`` on a random-init base; returns (state, model_cfg)."""
     from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
-    from needle.hardware import settings_for
+    from needle.hardware import settings_for, with_overrides
     from needle.model import lora as lora_lib
     from needle.model.factory import module_for
     from needle.train.finetune import initial_params, make_apply_fn
     from needle.train.step import create_state
 
-    settings = settings_for(jax.default_backend())
     train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
+    settings = with_overrides(settings_for(jax.default_backend()), train_cfg)  # as run_training does
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
     base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
     model_cfg = model_preset(preset)

@@ -32,7 +32,7 @@ from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, fla
 from needle.data.batching import BatchPlan, PackedPlan, choose_seq_len
 from needle.data.prepare import PreparedData
 from needle.errors import NonFiniteLossError
-from needle.hardware import BackendSettings, enable_compilation_cache, settings_for
+from needle.hardware import BackendSettings, enable_compilation_cache, settings_for, with_overrides
 from needle.model import lora as lora_lib
 from needle.model.io import TOKENIZER_FILES, LoadedModel, load_model, save_model
 from needle.model.factory import module_for
@@ -48,7 +48,9 @@ Plan = BatchPlan | PackedPlan
 
 # TrainConfig fields that only set the cadence of hooks or where caches live: changing them
 # between a run and its resume does not change the trajectory, so they are not compared.
-_CADENCE_FIELDS = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "compilation_cache_dir"}
+# How a run computes, not what: changing them between a crash and its retry still resumes.
+_CADENCE_FIELDS = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "compilation_cache_dir",
+                   "remat", "attention", "loss_chunk"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,7 @@ def run_training(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tracker = tracker or NoopTracker()
-    settings = settings or settings_for(jax.default_backend())
+    settings = with_overrides(settings or settings_for(jax.default_backend()), train_cfg)
     enable_compilation_cache(train_cfg.compilation_cache_dir)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")
