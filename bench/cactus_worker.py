@@ -94,7 +94,7 @@ def build_base(spec: dict, path: str) -> dict:
     from needle.model.checkpoints import write_checkpoint
     from needle.model.run import CHECKPOINT_FORMAT_VERSION
 
-    if spec.get("n3_config"):  # an exact Needle 3 config (bench/needle3.py), no size search
+    if "n3_config" in spec:  # an exact Needle 3 config (bench/needle3.py), no size search
         from needle.model.architecture import TransformerConfig
 
         config = TransformerConfig(**spec["n3_config"])
@@ -182,6 +182,8 @@ def run(spec: dict) -> dict:
         shutil.copyfile(base_path, os.path.join(keep, "checkpoints", "needle3.safetensors"))
         shutil.copyfile(os.path.join(work, "tokenizer.model"), os.path.join(keep, "tokenizer", "tokenizer.model"))
 
+    if spec.get("base_only"):  # bench/needle3.py's published-shape base: no fine-tune here
+        return result
     tok = get_tokenizer(spec["vocab_size"])
     seq_len = ft.fit_max_len(spec["jsonl"], tok, spec["max_len"])
     seqs, _ = ft.load_jsonl(spec["jsonl"], tok, seq_len)

@@ -34,7 +34,7 @@ from bench.report import evaluate_targets, format_table
 
 SCHEMA_VERSION = 1
 SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load", "serve",
-            "memory")
+            "memory", "needle3")
 CACTUS_ROWS = 400  # rows of new.jsonl for the cactus comparison (Needle scores 10 % of them)
 
 
@@ -212,6 +212,19 @@ def bench_memory() -> dict[str, Any]:
         return {"status": "ok", **json.loads(target.read_text())}
 
 
+def bench_needle3_section(skip_cactus: bool) -> dict[str, Any]:
+    """bench/needle3.py in its own process: cactus-needle's and needle's loop on one Needle 3 base."""
+    if skip_cactus:
+        return {"status": "skipped", "reason": "--skip-cactus (the comparison needs cactus-needle)"}
+    with tempfile.TemporaryDirectory(prefix="bench-needle3-") as tmp:
+        target = Path(tmp) / "needle3.json"
+        done = subprocess.run([sys.executable, "-m", "bench.needle3", "--published", "--out", str(target)], cwd=REPO,
+                              capture_output=True, text=True, timeout=4 * 3600)  # fmt: skip
+        if not target.exists():
+            return {"status": "failed", "error": f"bench.needle3 exited {done.returncode}: {done.stderr[-800:]}"}
+        return json.loads(target.read_text())
+
+
 def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> dict[str, Any]:
     result: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "created": dt.datetime.now().isoformat(timespec="seconds"),
                               "quick": quick, "machine": machine_info()}
@@ -242,6 +255,8 @@ def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> 
             result["serve"] = bench_serve()
         if "memory" in sections:
             result["memory"] = bench_memory()
+        if "needle3" in sections:
+            result["needle3"] = bench_needle3_section(skip_cactus)
     if skip_cactus:
         result["cactus"] = {"status": "skipped", "reason": "--skip-cactus"}
     result["machine"]["loadavg_end"] = _load()

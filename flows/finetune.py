@@ -95,7 +95,8 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     metrics = rec.record_results(run, tracker, base_model, prepared, tuned, report, run_dir, exports)
     outcome, version = gate_and_register(p, state, run, tracker, tuned, gate_rows, run_dir,
                                          {**report.tuned, **inputs, "data_fingerprint": prepared.fingerprint,
-                                          "gate_overlap_rows": overlap})  # fmt: skip
+                                          "gate_overlap_rows": overlap,  # the version names its exports
+                                          **{f"export.{fmt}": f"runs:/{run.run_id}/export/{fmt}" for fmt in exports}})  # fmt: skip
     return {"hw": hw, "metrics": {"train_loss": tuned.train_loss, "val_loss": tuned.val_loss, **metrics},
             "model_version": version, "model_dir": tuned.model_dir, "data_fingerprint": prepared.fingerprint,
             "prepared_dir": str(prepared.directory), "base": base_model.record or {"model_dir": base_model.model_dir},

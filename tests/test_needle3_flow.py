@@ -71,7 +71,8 @@ def test_flow_finetunes_needle3_registers_exports_and_serves(
     assert p["base_model.source"] == str(needle3_file) and p["lora.qat"] == "True"
     files = {Path(f.path).name for f in client.list_artifacts(run.info.run_id, "export/needle")}
     assert {"checkpoint.safetensors", "adapter.safetensors", "model.cact", "tokenizer.model"} <= files
-    assert result["model_version"]["version"]
+    version = client.get_model_version("needle", result["model_version"]["version"])
+    assert version.tags["export.needle"] == f"runs:/{run.info.run_id}/export/needle"
     tuned = load_model(result["model_dir"])
     assert tuned.model_cfg.arch == "needle3" and (Path(result["model_dir"]) / "tokenizer.model").is_file()
     # Rows were encoded in Needle's own format: BOS id first, the tools inside <tools>, EOS last.

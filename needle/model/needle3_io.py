@@ -18,6 +18,7 @@ and the ``Needle3Config`` from the checkpoint, the tokenizer and ``meta["base"]`
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ import numpy as np
 
 from needle.config import ModelConfig, Needle3Config
 from needle.errors import ModelImportError
+
+log = logging.getLogger("needle")
 
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_DIR = "tokenizer"
@@ -134,4 +137,23 @@ def import_needle3_model(spec: str | Path, *, max_len: int | None = None) -> Any
     base = {**source, "arch": "needle3", "n_params": n_params, "checkpoint": str(ckpt),
             "step": metadata.get("step"), "run": metadata.get("run")}  # fmt: skip
     params = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a, np.float32)), params)
+    filled = _fill_probe_heads(params, cfg)
+    if filled:
+        base["heads_filled"] = filled
+        log.warning("%s has no %s: filled with a fresh init (the LM forward does not read them)", ckpt, ", ".join(filled))
     return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
+
+
+PROBE_HEADS = ("embedding_head", "confidence_head", "router_head")
+
+
+def _fill_probe_heads(params: dict[str, Any], cfg: ModelConfig) -> list[str]:
+    """A checkpoint made by cactus-needle's plain ``init`` (a pretraining start, a stand-in) has no probe
+    heads; a trained one has all three. Missing heads get the module's deterministic init, in place."""
+    from needle.model.factory import module_for
+
+    missing = [h for h in PROBE_HEADS if h not in params]
+    if missing:
+        fresh = module_for(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 8), jax.numpy.int32))["params"]
+        params.update({h: fresh[h] for h in missing})
+    return missing
