@@ -74,6 +74,14 @@ def make_config(spec: dict, d_model: int):
     )
 
 
+def config_dict(config) -> dict:
+    """Every field of a TransformerConfig: its __init__ sets only the keys given, so ``__dict__``
+    misses the defaults, and ``from_saved`` would read those missing keys as "off"."""
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
 def count_params(config) -> int:
     import jax
     import jax.numpy as jnp
@@ -103,9 +111,9 @@ def build_base(spec: dict, path: str) -> dict:
         )["params"]
         params = jax.tree.map(np.asarray, params)
         write_checkpoint(path, {"format_version": CHECKPOINT_FORMAT_VERSION, "params": params,
-                                "config": dict(config.__dict__)})
+                                "config": config_dict(config)})
         return {"d_model": config.d_model, "n_params": int(sum(x.size for x in jax.tree.leaves(params))),
-                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.__dict__.items()}}
+                "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config_dict(config).items()}}
     step = 2 * spec["n_heads"] * 8
     candidates = [(abs(count_params(make_config(spec, d)) - spec["target_params"]), d)
                   for d in range(step, 8 * spec["d_model"] + 1, step)]
@@ -116,9 +124,9 @@ def build_base(spec: dict, path: str) -> dict:
     )["params"]
     params = jax.tree.map(np.asarray, params)
     write_checkpoint(path, {"format_version": CHECKPOINT_FORMAT_VERSION,
-                            "params": params, "config": dict(config.__dict__)})
+                            "params": params, "config": config_dict(config)})
     return {"d_model": d_model, "n_params": int(sum(x.size for x in jax.tree.leaves(params))),
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.__dict__.items()}}
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config_dict(config).items()}}
 
 
 def summarise(events: list[tuple[float, str]], t0: float, batch: int, seq_len: int) -> dict:

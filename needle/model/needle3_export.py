@@ -86,6 +86,7 @@ def export_needle(model_dir: str | Path, out_dir: str | Path, *, archive: bool =
     staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         n3 = loaded.model_cfg.needle3.model_dump(mode="json")
+        n3["dtype"] = (loaded.meta.get("base") or {}).get("dtype") or n3["dtype"]  # the base's own, not training's
         params = traverse_util.unflatten_dict(
             {k: np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(loaded.params).items()}
         )

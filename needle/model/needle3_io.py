@@ -125,7 +125,9 @@ def import_needle3_model(spec: str | Path, *, max_len: int | None = None) -> Any
         raise ModelImportError(f"{ckpt}: not a .safetensors file; Needle checkpoints are safetensors and needle never unpickles")
     params, raw_cfg, metadata = read_needle3_checkpoint(ckpt)
     n3 = needle3_config(raw_cfg, str(ckpt))
-    cfg = model_config_of(n3, max_len)
+    # Fine-tuning computes in float32, as cactus-needle's finetune does; the export writes the
+    # checkpoint's own dtype back (meta base.dtype).
+    cfg = model_config_of(n3.model_copy(update={"dtype": "float32"}), max_len)
     sp = find_sp_model(ckpt)
     tokenizer = load_tokenizer(sp.parent)
     if tokenizer.vocab_size > n3.vocab_size:
@@ -134,7 +136,7 @@ def import_needle3_model(spec: str | Path, *, max_len: int | None = None) -> Any
             "tokenizer and weights do not belong together"
         )
     n_params = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
-    base = {**source, "arch": "needle3", "n_params": n_params, "checkpoint": str(ckpt),
+    base = {**source, "arch": "needle3", "n_params": n_params, "checkpoint": str(ckpt), "dtype": n3.dtype,
             "step": metadata.get("step"), "run": metadata.get("run")}  # fmt: skip
     params = jax.tree.map(lambda a: jax.numpy.asarray(np.asarray(a, np.float32)), params)
     filled = _fill_probe_heads(params, cfg)
