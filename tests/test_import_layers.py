@@ -178,6 +178,17 @@ def test_the_untangled_circles_stay_untangled():
     assert not on_circles & untangled, sorted(on_circles & untangled)
 
 
+def test_evaluation_decodes_without_serving():
+    # The grammars and token masks live in needle/eval/constrain.py (needle/serve/constrain.py
+    # re-exports them): decoding and scoring never import needle/serve. needle/eval/predict.py,
+    # the `needle predict` / `needle evaluate` runner, uses serving's Predictor and is the one
+    # module of needle/eval allowed above needle/serve.
+    graph = import_graph()
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                if a.startswith("needle.eval.") and a != "needle.eval.predict" and b.startswith("needle.serve"))
+    assert not up, up
+
+
 if __name__ == "__main__":
     g = import_graph()
     cs = circles(g)

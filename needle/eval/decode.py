@@ -194,7 +194,7 @@ def _decode_batch_constrained(
 
     Returns the tokens and how many constrained rows were steered to close (``CLOSE_RESERVE``).
     """
-    from needle.serve.constrain import CLOSE_RESERVE, BatchMasks
+    from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
 
     masks = BatchMasks(matchers, constraints.tok_vocab, model.cfg.vocab_size, stops.tolist())
     scores = constraints.close_scores(model.cfg.vocab_size)

@@ -226,7 +226,7 @@ def _decode_and_score(model: Transformer, params: Any, tok: Any, fmt: Any, rows:
 def _constrained_metrics(model: Transformer, params: Any, tok: Any, fmt: Any, rows: list[Row],
                          prompts: list[list[int]], cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:  # fmt: skip
     """The ``constrained_*`` metrics and examples (module doc); a format without a grammar says why."""
-    from needle.serve.constrain import Constraints, UnsupportedFormat
+    from needle.eval.constrain import Constraints, UnsupportedFormat
 
     try:
         constraints = Constraints.for_tokenizer(tok, fmt)

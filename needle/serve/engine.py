@@ -67,7 +67,7 @@ class Predictor:
     def constraints(self) -> Any:
         """The model's ``Constraints`` (built once), or None when its format has no grammar."""
         if self._constraints is None and self._constraints_error is None:
-            from needle.serve.constrain import Constraints, UnsupportedFormat
+            from needle.eval.constrain import Constraints, UnsupportedFormat
 
             try:
                 self._constraints = Constraints.for_tokenizer(self.tok, self.fmt)
@@ -77,7 +77,7 @@ class Predictor:
 
     def predict(self, requests: Sequence[tuple[Any, Any]], constrained: bool = True) -> list[Prediction]:
         """Calls (or an error object) per ``(query, tools)`` request; see the module doc."""
-        from needle.serve.constrain import ToolSchemaError
+        from needle.eval.constrain import ToolSchemaError
 
         out: list[Prediction] = [error("not decoded")] * len(requests)
         rows: list[tuple[int, Row, Any]] = []
