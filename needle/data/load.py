@@ -2,7 +2,8 @@
 
 Every bad line becomes a ``DataIssue`` printed as ``file:line: reason`` (not UTF-8, not JSON,
 not an object, a missing or ill-typed field, an undeclared tool, a missing or ill-typed
-argument, an empty file). ``on_error="fail"`` raises ``DataError`` listing them;
+argument, an empty file; for a conversation row, the message index too: ``messages[3] (tool):
+tool_call_id 'c9' answers no earlier call of this conversation``). ``on_error="fail"`` raises ``DataError`` listing them;
 ``"drop"`` keeps the good rows and returns the issues so the caller can report them.
 Blank lines are skipped (JSONL convention), but a file without a single row is an error.
 Reading is bounded (``needle.data.schema.loads_bounded``): a line over ``MAX_ROW_BYTES``, nested
@@ -28,16 +29,16 @@ from typing import Any, Literal
 
 import datasets
 
+from needle.data.conversation import derived_fields
 from needle.data.schema import MAX_ROW_BYTES, Row, loads_bounded, parse_row, row_to_dict
 from needle.errors import DataError, DataIssue
 
 OnError = Literal["fail", "drop"]
 LOCAL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
-# Every column is a plain string: tools/answers travel as JSON text (see row_to_record).
-ROW_FEATURES = datasets.Features(
-    {k: datasets.Value("string") for k in ("query", "tools", "answers", "reasoning", "system", "source")}
-)
+# Every column is a plain string: tools/answers/messages travel as JSON text (see row_to_record).
+ROW_COLUMNS = ("query", "tools", "answers", "reasoning", "system", "source", "messages")
+ROW_FEATURES = datasets.Features({k: datasets.Value("string") for k in ROW_COLUMNS})
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,14 @@ def row_to_record(row: Row) -> dict[str, Any]:
     tools/answers are stored as JSON strings on purpose: arrow would otherwise unify the
     nested dict keys across rows and add ``null`` keys to every tool's JSON schema and every
     call's arguments, which changes what the model sees and breaks argument checks.
+    A conversation row stores its ``messages`` (JSON) and ``tools`` only: its query/answers
+    columns are null, since they are derived from the messages (and a row holding both
+    layouts would be refused when read back with ``parse_row``).
     """
+    if row.messages is not None:
+        return {"query": None, "tools": json.dumps(row.tools, ensure_ascii=False), "answers": None,
+                "reasoning": None, "system": None, "source": row.source,
+                "messages": json.dumps(row.messages, ensure_ascii=False)}  # fmt: skip
     return {
         "query": row.query,
         "tools": json.dumps(row.tools, ensure_ascii=False),
@@ -205,11 +213,19 @@ def row_to_record(row: Row) -> dict[str, Any]:
         "reasoning": row.reasoning,
         "system": row.system,
         "source": row.source,
+        "messages": None,
     }
 
 
 def record_to_row(record: dict[str, Any]) -> Row:
-    """The row of a record written by :func:`row_to_record` (already validated: no re-check)."""
+    """The row of a record written by :func:`row_to_record` (already validated: no re-check).
+
+    A record prepared before conversations existed has no ``messages`` column: a query/answers row."""
+    if record.get("messages") is not None:
+        messages = json.loads(record["messages"])
+        query, answers, reasoning, system = derived_fields(messages)
+        return Row(query=query, tools=json.loads(record["tools"]), answers=answers, reasoning=reasoning,
+                   system=system, source=record["source"], messages=messages)  # fmt: skip
     return Row(
         query=record["query"],
         tools=json.loads(record["tools"]),

@@ -56,6 +56,7 @@ FEATURES = datasets.Features(
         "reasoning": datasets.Value("string"),
         "system": datasets.Value("string"),
         "source": datasets.Value("string"),
+        "messages": datasets.Value("string"),  # a conversation row's messages (JSON); null for query/answers
     }
 )
 
