@@ -175,6 +175,10 @@ def overlong_reason(n_tokens: int, max_len: int) -> str:
             "model's context, or drop such rows with on_error=drop)")  # fmt: skip
 
 
+CONVERSATION_NOT_RENDERED = ("conversation rows validate but cannot be trained on yet: rendering whole "
+                             "conversations is not built (issue 21); give query/answers rows")
+
+
 def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fmt: ChatFormat) -> tuple[list[Row], list[Example], list[DataIssue]]:
     """Render and tokenize every row; a row the chat template refuses, or one longer than
     ``max_len`` tokens, is a file:line issue (raised under ``on_error="fail"``, else dropped)."""
@@ -182,6 +186,11 @@ def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fm
 
     rows, examples, refused = [], [], []
     for row in loaded.rows:
+        if row.messages is not None:
+            # Until each format renders whole conversations (issue 21, item 2), encoding one as its
+            # last query/answers would train on a different example than the data holds: refuse.
+            refused.append(DataIssue(*split_source(row.source), CONVERSATION_NOT_RENDERED))
+            continue
         try:
             # Encoded whole (no cut) so an over-long row is refused with its real length.
             ex = fmt.encode_example(row, tokenizer, _NO_LIMIT)

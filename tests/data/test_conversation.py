@@ -124,3 +124,17 @@ def test_cli_refuses_a_bad_conversation_naming_the_message(write_jsonl: Callable
     assert not any(out.rglob("*.safetensors")) if out.exists() else True  # nothing trained
     ok = write_jsonl([{"messages": GOOD, "tools": [WEATHER]}], "ok.jsonl")
     assert main(["validate", str(ok)]) == 0
+
+
+def test_preparation_refuses_conversations_until_they_render(write_jsonl: Callable[..., Path], data_tokenizer: Any) -> None:
+    # Encoding a conversation as its last query/answers would train on something else: refused.
+    from needle.config import DataConfig
+    from needle.data.prepare import prepare_rows
+
+    single = {"query": "Weather in Rome?", "tools": [WEATHER], "answers": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}
+    path = write_jsonl([single, {"messages": GOOD, "tools": [WEATHER]}, single, single])
+    cfg = DataConfig(source=str(path), val_fraction=0, test_fraction=0)
+    with pytest.raises(DataError, match=":2: conversation rows validate but cannot be trained on yet"):
+        prepare_rows(load_source(str(path)), cfg, data_tokenizer)
+    dropped = prepare_rows(load_source(str(path)), cfg.model_copy(update={"on_error": "drop"}), data_tokenizer)
+    assert dropped.stats["rows"]["train"] == 3 and dropped.stats["dropped"] == 1
