@@ -138,3 +138,13 @@ def test_preparation_refuses_conversations_until_they_render(write_jsonl: Callab
         prepare_rows(load_source(str(path)), cfg, data_tokenizer)
     dropped = prepare_rows(load_source(str(path)), cfg.model_copy(update={"on_error": "drop"}), data_tokenizer)
     assert dropped.stats["rows"]["train"] == 3 and dropped.stats["dropped"] == 1
+
+
+def test_the_sample_conversations_validate() -> None:
+    # data/sample/conversations.jsonl: the loop's three shapes (answer after a result, a second
+    # call after a result, an error result answered by a question), kept apart from new.jsonl so
+    # the main job's data is unchanged until conversations train.
+    path = Path(__file__).resolve().parents[2] / "data/sample/conversations.jsonl"
+    rows = load_source(str(path)).rows
+    assert len(rows) == 3 and all(r.messages is not None for r in rows)
+    assert [r.messages[-1].get("tool_calls") is not None for r in rows] == [False, True, False]
