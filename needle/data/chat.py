@@ -35,7 +35,8 @@ import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from needle.data.render import DEFAULT_SYSTEM, ChatFormat, Example, NativeFormat, format_calls, join_example
+from needle.data.conversation import row_messages
+from needle.data.render import DEFAULT_SYSTEM, ChatFormat, Example, NativeFormat, compact_json, format_calls, join_example
 from needle.data.schema import Row
 from needle.eval.parse import ParsedCall, Parser, parse_json_list, parser_for
 from needle.tokenizer import TokenizerLike
@@ -206,6 +207,89 @@ class JinjaChatFormat:
         """Prompt and target encoded separately, as the model will see the prompt at inference."""
         prompt, target = self.split(row)
         return join_example(tok.encode(prompt), tok.encode(target), max_len)
+
+    # -- whole conversations (issue 21) ----------------------------------------------------------
+    def conversation(self, row: Row) -> list[dict[str, Any]]:
+        """The template's messages for the row's whole conversation (``row_messages``); for a
+        query/answers row exactly :meth:`messages`. Templates that cannot show calls get them as
+        the JSON list in the assistant's content, and tool results as a user message."""
+        out: list[dict[str, Any]] = []
+        for m in row_messages(row):
+            if m["role"] == "system" or (not out and not self.renders_tools):
+                if not self.renders_tools:  # the tool listing joins (or makes) the system message
+                    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in row.tools)
+                    base = m["content"] if m["role"] == "system" else DEFAULT_SYSTEM
+                    out.append({"role": "system", "content": f"{base}\n\n{TOOLS_INSTRUCTION.format(tools=listing)}"})
+                    if m["role"] == "system":
+                        continue
+                else:
+                    out.append(dict(m))
+                    continue
+            if m["role"] == "user":
+                out.append(dict(m))
+            elif m["role"] == "assistant":
+                out.append(self._assistant(m))
+            elif self.renders_calls:
+                out.append(dict(m))
+            elif out[-1]["role"] == "user" and out[-1].get("_results"):
+                out[-1]["content"] += "\n" + compact_json({"name": m["name"], "content": m["content"]})
+            else:
+                out.append({"role": "user", "_results": True,
+                            "content": "Tool results:\n" + compact_json({"name": m["name"], "content": m["content"]})})
+        return [{k: v for k, v in m.items() if k != "_results"} for m in out]
+
+    def _assistant(self, m: dict[str, Any]) -> dict[str, Any]:
+        calls = m.get("tool_calls")
+        answer: dict[str, Any] = {"role": "assistant", "content": m.get("content") or ""}
+        if not self.renders_calls:
+            if calls is not None:  # calls (or [] off-topic) as the JSON list, after any text
+                text = format_calls([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls])
+                answer["content"] = f"{answer['content']}\n{text}" if answer["content"] else text
+        elif calls:
+            answer["tool_calls"] = [dict(c) for c in calls]
+        if m.get("reasoning_content"):
+            answer["reasoning_content"] = m["reasoning_content"]
+        return answer
+
+    def _end_of_turn(self) -> str:
+        """What the template writes after an assistant's text: where a turn's loss ends."""
+        probe = "needle-turn-probe"
+        msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}]
+        full = self.render(msgs, None)
+        return full[len(self.render(msgs[:1], None, add_generation_prompt=True)) :].split(probe)[-1]
+
+    def conversation_segments(self, row: Row) -> list[tuple[str, int | None]]:
+        """The rendering cut into (text, assistant turn or None): each assistant turn from where
+        the generation prompt before it ends through its end-of-turn text, the last one to the end
+        (so a query/answers row gives today's prompt and target). Their concatenation is
+        ``apply_chat_template(conversation, tools=…)``."""
+        msgs, tools = self.conversation(row), self.tools(row)
+        try:
+            full = self.render(msgs, tools)
+            turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+            starts = [len(self.render(msgs[:i], tools, add_generation_prompt=True)) for i in turns]
+        except ChatTemplateError as exc:
+            raise ChatTemplateError(f"{row.source}: {exc}") from None
+        end_text = self._end_of_turn() if len(turns) > 1 else ""
+        out: list[tuple[str, int | None]] = []
+        pos = 0
+        for n, (i, start) in enumerate(zip(turns, starts)):
+            prompt = self.render(msgs[:i], tools, add_generation_prompt=True)
+            if not full.startswith(prompt) or start < pos:
+                raise ChatTemplateError(f"{row.source}: messages[{i}]: the rendering before this assistant turn is "
+                                        "not a prefix of the whole conversation")  # fmt: skip
+            if n == len(turns) - 1:
+                end = len(full)
+            else:
+                found = full.find(end_text, start) if end_text else -1
+                end = found + len(end_text)
+                if found < 0 or end > starts[n + 1]:
+                    raise ChatTemplateError(f"{row.source}: messages[{i}]: cannot find where this assistant turn ends")
+            out += [(full[pos:start], None), (full[start:end], i)]
+            pos = end
+        if pos < len(full):
+            out.append((full[pos:], None))
+        return [seg for seg in out if seg[0] or seg[1] is not None]
 
     def template_id(self) -> str:
         parts = {"kind": "jinja", "template": self.template, "special_tokens": self.special_tokens,
