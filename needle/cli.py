@@ -153,7 +153,7 @@ def _cmd_sample_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from needle.eval.predict import run_evaluate_cli
+    from needle.serve.predict import run_evaluate_cli
 
     if args.out is not None:
         check_out_dir(args.out)  # before the evaluation runs, not after
@@ -168,7 +168,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from needle.eval.predict import run_predict_cli
+    from needle.serve.predict import run_predict_cli
 
     queries = [args.query] if args.query is not None else _stdin_queries()
     return run_predict_cli(args.checkpoint, args.tools, queries, constrained=not args.free)

@@ -32,23 +32,13 @@ from typing import Any
 
 import sentencepiece as spm
 
+# The ids and markers live one layer down, shared with the row format and the parser.
+from needle.needle3_markers import (  # noqa: F401
+    BOS_ID, EOS_ID, FIRST_MARKER_ID, IM_END, IM_END_ID, IM_START, MARKERS, N_FIXED_MARKERS, PAD_ID, THINK_END,
+    THINK_START, TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, TOOLS_END, TOOLS_START, UNK_ID,
+)  # fmt: skip
 from needle.tokenizer_base import SP_MODEL_FILE, TOKENIZER_FILE
 
-PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-THINK_START, THINK_END = "<think>", "</think>"
-TOOLS_START, TOOLS_END = "<tools>", "</tools>"
-TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_RESULT_START, TOOL_RESULT_END = "<tool_result>", "</tool_result>"
-# The reference's CHAT_MARKERS, in id order from 4. Ids 4..13 are hard-wired in its code and are
-# checked on load; the later ones (<context>, <extract>, <schema> pairs) are checked when present.
-MARKERS: tuple[str, ...] = (
-    IM_START, IM_END, THINK_START, THINK_END, TOOLS_START, TOOLS_END, TOOL_CALL_START, TOOL_CALL_END,
-    TOOL_RESULT_START, TOOL_RESULT_END, "<context>", "</context>", "<extract>", "</extract>", "<schema>", "</schema>",
-)  # fmt: skip
-FIRST_MARKER_ID = 4
-N_FIXED_MARKERS = 10  # <|im_start|> .. </tool_result>: ids 4..13
-IM_END_ID = FIRST_MARKER_ID + MARKERS.index(IM_END)
 META_SPACE = "\u2581"  # SentencePiece's ▁: a space inside a piece
 
 

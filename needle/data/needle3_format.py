@@ -35,11 +35,9 @@ from typing import Any
 
 from needle.data.render import Example, compact_json, format_calls, join_example
 from needle.data.schema import Row
-from needle.eval.parse import ParsedCall, check_calls
-from needle.needle3_tokenizer import (
-    BOS_ID, EOS_ID, IM_END, IM_START, MARKERS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START, TOOLS_END,
-    TOOLS_START,
-)  # fmt: skip
+from needle.eval.parse import ParsedCall, parse_needle3  # noqa: F401  (the parser sits below, with the others)
+from needle.needle3_markers import BOS_ID, EOS_ID, IM_END, IM_START, THINK_END, THINK_START, TOOL_CALL_END
+from needle.needle3_markers import TOOL_CALL_START, TOOLS_END, TOOLS_START
 from needle.tokenizer_base import TokenizerLike
 
 FORMAT_ID = "needle3"
@@ -113,47 +111,3 @@ class Needle3Format:
 
     def __repr__(self) -> str:
         return "Needle3Format()"
-
-
-def parse_needle3(text: str) -> ParsedCall:
-    """``[<think>\\n…\\n</think>\\n]<tool_call>[…]</tool_call>[<|im_end|>]`` into calls; never raises.
-
-    Strict like ``parse_calls``: a missing or unclosed ``<tool_call>``, text around it, a marker
-    inside the JSON, broken JSON or a call that is not ``{"name": str, "arguments": {…}}`` give
-    ``calls=None`` and the reason. ``<tool_call>[]</tool_call>`` is the off-topic answer ([]).
-    """
-    if not isinstance(text, str):
-        return ParsedCall(None, f"expected text, got {type(text).__name__}", None)
-    body = text.strip()
-    if body.endswith(IM_END):
-        body = body[: -len(IM_END)].rstrip()
-    reasoning = None
-    if body.startswith(THINK_START):
-        cut = body.find(THINK_END)
-        if cut < 0:
-            return ParsedCall(None, f"no {THINK_END} after the reasoning", body[len(THINK_START) :].strip() or None)
-        reasoning = body[len(THINK_START) : cut].strip() or None
-        body = body[cut + len(THINK_END) :].lstrip()
-    if not body.startswith(TOOL_CALL_START):
-        where = "missing" if TOOL_CALL_START not in body else "preceded by other text"
-        return ParsedCall(None, f"{TOOL_CALL_START} {where}", reasoning)
-    payload = body[len(TOOL_CALL_START) :]
-    end = payload.find(TOOL_CALL_END)
-    if end < 0:
-        return ParsedCall(None, f"no {TOOL_CALL_END} after the call list", reasoning)
-    if payload[end + len(TOOL_CALL_END) :].strip():
-        return ParsedCall(None, f"text after {TOOL_CALL_END}", reasoning)
-    payload = payload[:end]
-    if any(m in payload for m in MARKERS):
-        return ParsedCall(None, "special token inside the call JSON", reasoning)
-    payload = payload.strip()
-    if not payload:
-        return ParsedCall(None, f"nothing inside {TOOL_CALL_START}", reasoning)
-    try:
-        value, stop = json.JSONDecoder().raw_decode(payload)
-    except json.JSONDecodeError as exc:
-        return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
-    if payload[stop:].strip():
-        return ParsedCall(None, f"text after the JSON at char {stop}", reasoning)
-    problem = check_calls(value)
-    return ParsedCall(None, problem, reasoning) if problem else ParsedCall(value, None, reasoning)

@@ -16,7 +16,8 @@ the JSON) gives ``calls=None`` and a one-line ``error`` saying why, so the metri
 Pretrained models' templates have their own forms, parsed below to the same ParsedCall: Qwen/Hermes
 ``<tool_call>{json}</tool_call>``, Llama 3.x JSON calls, FunctionGemma's
 ``<start_function_call>call:name{…}<end_function_call>``; ``parser_for(template)`` picks one.
-Needle 3's ``<tool_call>[…]</tool_call>`` is ``parser_for("needle3")`` (needle/data/needle3_format.py).
+Needle 3's ``<tool_call>[…]</tool_call>`` is ``parse_needle3``, ``parser_for("needle3")``: its format
+lives in needle/data/needle3_format.py, which imports this parser (data imports eval, not the reverse).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from needle.needle3_markers import IM_END, MARKERS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 from needle.tokenizer_base import CALL, END, THINK
 
 CALL_KEYS = frozenset({"name", "arguments"})
@@ -257,15 +259,57 @@ def parse_json_list(text: str) -> ParsedCall:
     return _decode_call_list(body, reasoning)
 
 
+def parse_needle3(text: str) -> ParsedCall:
+    """Needle 3's ``[<think>\\n…\\n</think>\\n]<tool_call>[…]</tool_call>[<|im_end|>]`` into calls; never raises.
+
+    Strict like ``parse_calls``: a missing or unclosed ``<tool_call>``, text around it, a marker
+    inside the JSON, broken JSON or a call that is not ``{"name": str, "arguments": {…}}`` give
+    ``calls=None`` and the reason. ``<tool_call>[]</tool_call>`` is the off-topic answer ([]).
+    """
+    if not isinstance(text, str):
+        return ParsedCall(None, f"expected text, got {type(text).__name__}", None)
+    body = text.strip()
+    if body.endswith(IM_END):
+        body = body[: -len(IM_END)].rstrip()
+    reasoning = None
+    if body.startswith(THINK_START):
+        cut = body.find(THINK_END)
+        if cut < 0:
+            return ParsedCall(None, f"no {THINK_END} after the reasoning", body[len(THINK_START) :].strip() or None)
+        reasoning = body[len(THINK_START) : cut].strip() or None
+        body = body[cut + len(THINK_END) :].lstrip()
+    if not body.startswith(TOOL_CALL_START):
+        where = "missing" if TOOL_CALL_START not in body else "preceded by other text"
+        return ParsedCall(None, f"{TOOL_CALL_START} {where}", reasoning)
+    payload = body[len(TOOL_CALL_START) :]
+    end = payload.find(TOOL_CALL_END)
+    if end < 0:
+        return ParsedCall(None, f"no {TOOL_CALL_END} after the call list", reasoning)
+    if payload[end + len(TOOL_CALL_END) :].strip():
+        return ParsedCall(None, f"text after {TOOL_CALL_END}", reasoning)
+    payload = payload[:end]
+    if any(m in payload for m in MARKERS):
+        return ParsedCall(None, "special token inside the call JSON", reasoning)
+    payload = payload.strip()
+    if not payload:
+        return ParsedCall(None, f"nothing inside {TOOL_CALL_START}", reasoning)
+    try:
+        value, stop = json.JSONDecoder().raw_decode(payload)
+    except json.JSONDecodeError as exc:
+        return ParsedCall(None, f"invalid JSON: {exc.msg} at char {exc.pos}", reasoning)
+    if payload[stop:].strip():
+        return ParsedCall(None, f"text after the JSON at char {stop}", reasoning)
+    problem = check_calls(value)
+    return ParsedCall(None, problem, reasoning) if problem else ParsedCall(value, None, reasoning)
+
+
 def parser_for(template: str | None) -> Parser:
     """The parser for the calls a chat template writes (detected from its text).
 
     ``"needle3"`` (or a ``Needle3Format.template_id()``) is Needle 3's own row format:
-    ``parse_needle3`` (needle/data/needle3_format.py).
+    ``parse_needle3``.
     """
     if template is not None and (template == "needle3" or template.startswith("needle3:")):
-        from needle.data.needle3_format import parse_needle3  # lazy: data imports eval, not the reverse
-
         return parse_needle3
     if template is None:
         return parse_calls

@@ -74,7 +74,7 @@ def write_cact(checkpoint: Path, sp_model: Path, out: Path, *, drop_confidence: 
 
 def export_needle(model_dir: str | Path, out_dir: str | Path, *, archive: bool = True) -> dict[str, Path]:
     """Write a Needle 3 model directory (a fine-tune's, or a base) as Needle's files; return their paths."""
-    from needle.model.adapter import ADAPTER_FILE, load_adapter
+    from needle.model.layout import ADAPTER_FILE, load_adapter
     from needle.model.io import load_model
     from needle.model.needle3.checkpoint import write_needle3_checkpoint
 

@@ -116,7 +116,7 @@ def _resolve(spec: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def import_needle3_model(spec: str | Path, *, max_len: int | None = None) -> Any:
     """Import a Needle 3 base (file, repository directory or ``hf:`` id) as a ``LoadedModel``."""
-    from needle.model.io import LoadedModel
+    from needle.model.layout import LoadedModel
     from needle.model.needle3.checkpoint import read_needle3_checkpoint
     from needle.tokenizer import load_tokenizer
 

@@ -9,7 +9,7 @@ template), decodes greedily until one of the tokenizer's stop ids and returns, p
     echo "set a timer for 5 minutes" | needle predict runs/tuned/model --tools tools.json
     needle evaluate runs/tuned/model data/sample/new.jsonl --max-rows 200 --out runs/tuned/eval
 
-Decoding is constrained by default (needle/serve/constrain.py: only calls to the offered tools
+Decoding is constrained by default (needle/eval/constrain.py: only calls to the offered tools
 that satisfy their schemas, or ``[]``); ``constrained=False`` (``needle predict --free``)
 decodes freely. ``run_predict_cli`` prints one compact JSON line per query on stdout;
 ``run_evaluate_cli`` prints free and constrained metrics side by side and writes the report

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import needle.eval.evaluate as evaluate_mod
-import needle.eval.predict as predict_mod
+import needle.serve.predict as predict_mod
 from needle.config import EvalConfig, model_preset
 from needle.data.chat import JinjaChatFormat, format_for
 from needle.data.schema import Row

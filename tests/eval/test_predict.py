@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import needle.eval.predict as predict_mod
+import needle.serve.predict as predict_mod
 import needle.serve.engine as engine
 from needle.config import EvalConfig
 from needle.data.render import render_prompt
