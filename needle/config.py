@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 
 class _Strict(BaseModel):
@@ -267,6 +267,19 @@ class DataConfig(_Strict):
     on_error: Literal["fail", "drop"] = Field(
         "fail", description="fail on the first bad or over-long rows (file:line), or drop them and report how many and why"
     )
+    loss_on: Literal["all_assistant", "last_assistant"] = Field(
+        "all_assistant", description="which assistant turns of a conversation row carry loss: every one (calls and "
+        "answers in words) or only the last; a query/answers row has one either way"
+    )
+
+    @model_serializer(mode="wrap")
+    def _stable_dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # loss_on is left out at its default so the configs hashed before it existed (prepared-data
+        # cache keys, auto-base keys, run parameters) keep their values.
+        out = handler(self)
+        if out.get("loss_on") == "all_assistant":
+            out.pop("loss_on")
+        return out
 
 
 class EvalConfig(_Strict):

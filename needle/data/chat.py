@@ -291,6 +291,21 @@ class JinjaChatFormat:
             out.append((full[pos:], None))
         return [seg for seg in out if seg[0] or seg[1] is not None]
 
+    def encode_conversation(self, row: Row, tok: TokenizerLike, max_len: int,
+                            loss_on: str = "all_assistant") -> Example:  # fmt: skip
+        """Each segment encoded on its own (as prompt and target are today), loss on the assistant
+        turns (``all_assistant``) or on the last one only (``last_assistant``); over ``max_len`` flagged."""
+        segments = self.conversation_segments(row)
+        last = max(t for _, t in segments if t is not None)
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, turn in segments:
+            part = tok.encode(text)
+            loss = turn is not None and (loss_on == "all_assistant" or turn == last)
+            ids += part
+            mask += [int(loss)] * len(part)
+        return Example(ids[:max_len], mask[:max_len], len(ids) > max_len)
+
     def template_id(self) -> str:
         parts = {"kind": "jinja", "template": self.template, "special_tokens": self.special_tokens,
                  "template_kwargs": self.template_kwargs}  # fmt: skip

@@ -140,6 +140,8 @@ def compute_fingerprint(digest: str, tokenizer: Tokenizer, cfg: DataConfig, fmt:
         "test_fraction": cfg.test_fraction,
         "max_len": cfg.max_len,
     }
+    if cfg.loss_on != "all_assistant":  # only then: fingerprints from before the option keep their value
+        parts["loss_on"] = cfg.loss_on
     h.update(json.dumps(parts, sort_keys=True).encode("utf-8"))
     h.update(bytes.fromhex(tokenizer_sha256(tokenizer)))
     return h.hexdigest()
@@ -175,25 +177,29 @@ def overlong_reason(n_tokens: int, max_len: int) -> str:
             "model's context, or drop such rows with on_error=drop)")  # fmt: skip
 
 
-CONVERSATION_NOT_RENDERED = ("conversation rows validate but cannot be trained on yet: rendering whole "
-                             "conversations is not built (issue 21); give query/answers rows")
+CONVERSATION_NOT_RENDERED = ("conversation rows cannot be trained on with this model's format yet: whole "
+                             "conversations render through a model's chat template only so far (issue 21); "
+                             "give query/answers rows")
 
 
 def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fmt: ChatFormat) -> tuple[list[Row], list[Example], list[DataIssue]]:
     """Render and tokenize every row; a row the chat template refuses, or one longer than
     ``max_len`` tokens, is a file:line issue (raised under ``on_error="fail"``, else dropped)."""
-    from needle.data.chat import ChatTemplateError
+    from needle.data.chat import ChatTemplateError, JinjaChatFormat
 
     rows, examples, refused = [], [], []
     for row in loaded.rows:
-        if row.messages is not None:
-            # Until each format renders whole conversations (issue 21, item 2), encoding one as its
-            # last query/answers would train on a different example than the data holds: refuse.
+        if row.messages is not None and not isinstance(fmt, JinjaChatFormat):
+            # Until needle's and Needle 3's formats render whole conversations (issue 21, item 2),
+            # encoding one as its last query/answers would train on another example: refuse.
             refused.append(DataIssue(*split_source(row.source), CONVERSATION_NOT_RENDERED))
             continue
         try:
             # Encoded whole (no cut) so an over-long row is refused with its real length.
-            ex = fmt.encode_example(row, tokenizer, _NO_LIMIT)
+            if row.messages is not None:
+                ex = fmt.encode_conversation(row, tokenizer, _NO_LIMIT, cfg.loss_on)
+            else:  # today's path, unchanged (a query/answers row encodes to the same ids either way: tested)
+                ex = fmt.encode_example(row, tokenizer, _NO_LIMIT)
         except ChatTemplateError as e:
             refused.append(DataIssue(*split_source(row.source), f"chat template refused the row: {e}"))
             continue

@@ -80,3 +80,63 @@ def test_conversation_rendering_equals_transformers(family: str) -> None:
             assert want[len(prompt):].startswith(text)
     if family != "gemma3":
         assert any(m["role"] == "tool" for m in msgs)  # tool results in the template's own role
+
+
+@pytest.fixture(scope="module")
+def hf_toks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from chat_helpers import write_hf_dir
+
+    from needle.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("hf")
+    return {family: load_tokenizer(write_hf_dir(root / family, family)) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_query_answers_row_encodes_to_todays_ids_and_mask(family: str, hf_toks: dict[str, Any]) -> None:
+    fmt, tok = _fmt(family), hf_toks[family]
+    for name in ROWS:
+        row = parse_row(ROWS[name], f"{name}:1")
+        try:
+            today = fmt.encode_example(row, tok, 1 << 30)
+        except ChatTemplateError:
+            continue  # Llama 3's refusal of parallel calls: refused both ways (above)
+        for loss_on in ("all_assistant", "last_assistant"):
+            assert fmt.encode_conversation(row, tok, 1 << 30, loss_on) == today
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_loss_mask_covers_exactly_the_assistant_turns(family: str, hf_toks: dict[str, Any]) -> None:
+    fmt, tok = _fmt(family), hf_toks[family]
+    row = parse_row(CONVERSATION, "c:1")
+    segments = fmt.conversation_segments(row)
+    want_all = [int(t is not None) for text, t in segments for _ in tok.encode(text)]
+    last = max(t for _, t in segments if t is not None)
+    want_last = [int(t == last) for text, t in segments for _ in tok.encode(text)]
+    every = fmt.encode_conversation(row, tok, 1 << 30)
+    assert every.loss_mask == want_all and sum(every.loss_mask) > 0 and not every.truncated
+    assert fmt.encode_conversation(row, tok, 1 << 30, "last_assistant").loss_mask == want_last
+    assert tok.decode([i for i, m in zip(every.ids, want_last) if m]) == next(x for x, t in segments if t == last)
+    assert fmt.encode_conversation(row, tok, 16).truncated  # flagged, so preparation refuses it
+
+
+def test_conversations_prepare_with_a_chat_template(tmp_path: Any, hf_toks: dict[str, Any]) -> None:
+    from needle.config import DataConfig
+    from needle.data.load import load_source
+    from needle.data.prepare import prepare_rows
+    from needle.errors import DataError
+
+    path = tmp_path / "rows.jsonl"
+    single = {"query": "Weather in Oslo?", "tools": [WEATHER], "answers": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+    path.write_text("\n".join(json.dumps(r) for r in [CONVERSATION, single, CONVERSATION, single]) + "\n")
+    cfg = DataConfig(source=str(path), val_fraction=0, test_fraction=0, max_len=1024)
+    tok = hf_toks["qwen3"]
+    every = prepare_rows(load_source(str(path)), cfg, tok)
+    last = prepare_rows(load_source(str(path)), cfg.model_copy(update={"loss_on": "last_assistant"}), tok)
+    assert every.stats["rows"]["train"] == 4 and every.fingerprint != last.fingerprint
+    assert every.stats["tokens"]["train"]["target"] > last.stats["tokens"]["train"]["target"]
+    train = every.splits["train"]
+    conv = [r for r in train if r["messages"] is not None]
+    assert len(conv) == 2 and conv[0]["query"] is None
+    with pytest.raises(DataError, match=r"rows.jsonl:1: row longer than max_len"):
+        prepare_rows(load_source(str(path)), cfg.model_copy(update={"max_len": 64}), tok)  # refused, never cut

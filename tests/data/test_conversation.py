@@ -134,7 +134,7 @@ def test_preparation_refuses_conversations_until_they_render(write_jsonl: Callab
     single = {"query": "Weather in Rome?", "tools": [WEATHER], "answers": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}
     path = write_jsonl([single, {"messages": GOOD, "tools": [WEATHER]}, single, single])
     cfg = DataConfig(source=str(path), val_fraction=0, test_fraction=0)
-    with pytest.raises(DataError, match=":2: conversation rows validate but cannot be trained on yet"):
+    with pytest.raises(DataError, match=":2: conversation rows cannot be trained on with this model.s format yet"):
         prepare_rows(load_source(str(path)), cfg, data_tokenizer)
     dropped = prepare_rows(load_source(str(path)), cfg.model_copy(update={"on_error": "drop"}), data_tokenizer)
     assert dropped.stats["rows"]["train"] == 3 and dropped.stats["dropped"] == 1
