@@ -178,20 +178,20 @@ def overlong_reason(n_tokens: int, max_len: int) -> str:
 
 
 CONVERSATION_NOT_RENDERED = ("conversation rows cannot be trained on with this model's format yet: whole "
-                             "conversations render through a model's chat template only so far (issue 21); "
+                             "conversations render in needle's format and a model's chat template so far (issue 21); "
                              "give query/answers rows")
 
 
 def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fmt: ChatFormat) -> tuple[list[Row], list[Example], list[DataIssue]]:
     """Render and tokenize every row; a row the chat template refuses, or one longer than
     ``max_len`` tokens, is a file:line issue (raised under ``on_error="fail"``, else dropped)."""
-    from needle.data.chat import ChatTemplateError, JinjaChatFormat
+    from needle.data.chat import ChatTemplateError
 
     rows, examples, refused = [], [], []
     for row in loaded.rows:
-        if row.messages is not None and not isinstance(fmt, JinjaChatFormat):
-            # Until needle's and Needle 3's formats render whole conversations (issue 21, item 2),
-            # encoding one as its last query/answers would train on another example: refuse.
+        if row.messages is not None and not hasattr(fmt, "encode_conversation"):
+            # Until Needle 3's format renders whole conversations (issue 21, item 2), encoding one
+            # as its last query/answers would train on another example: refuse.
             refused.append(DataIssue(*split_source(row.source), CONVERSATION_NOT_RENDERED))
             continue
         try:
@@ -200,7 +200,9 @@ def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fm
                 ex = fmt.encode_conversation(row, tokenizer, _NO_LIMIT, cfg.loss_on)
             else:  # today's path, unchanged (a query/answers row encodes to the same ids either way: tested)
                 ex = fmt.encode_example(row, tokenizer, _NO_LIMIT)
-        except ChatTemplateError as e:
+        except (ChatTemplateError, ValueError) as e:
+            if not isinstance(e, ChatTemplateError) and row.messages is None:
+                raise  # a query/answers row's ValueError propagates as it always has
             refused.append(DataIssue(*split_source(row.source), f"chat template refused the row: {e}"))
             continue
         if len(ex.ids) > cfg.max_len:

@@ -147,10 +147,63 @@ class ChatFormat(Protocol):
         ...
 
 
+def conversation_segments(row: Row) -> list[tuple[str, int | None]]:
+    """A conversation in needle's template as (text, assistant message index or None) segments::
+
+        <|bos|><|system|>{system}<|end|><|tools|>{tools}<|end|>      then per message:
+        user       <|user|>{content}<|end|>
+        assistant  <|assistant|> + [<|think|>{reasoning}]{content}[<|call|>{calls}]<|end|>   <- loss
+        tool       <|tools|>{"name": tool, "content": result}<|end|>
+
+    ``<|call|>`` is written when the turn has a call list (``[]`` included, the off-topic answer),
+    so a query/answers row gives exactly :func:`render_prompt` and :func:`render_target`. A turn
+    with reasoning and a text answer but no calls is refused (``ValueError``): no token would
+    separate the two.
+    """
+    from needle.data.conversation import row_messages  # lazy: conversation is a leaf; keeps render light
+
+    messages = row_messages(row)
+    system = messages[0]["content"] if messages[0]["role"] == "system" else DEFAULT_SYSTEM
+    out: list[tuple[str, int | None]] = []
+    text = f"{BOS}{SYSTEM}{system}{END}{TOOLS}{compact_json(row.tools)}{END}"
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            text += f"{USER}{m['content']}{END}"
+        elif m["role"] == "tool":
+            text += f"{TOOLS}{compact_json({'name': m['name'], 'content': m['content']})}{END}"
+        elif m["role"] == "assistant":
+            calls, reasoning, content = m.get("tool_calls"), m.get("reasoning_content"), m.get("content") or ""
+            if reasoning and content and calls is None:
+                raise ValueError(f"messages[{i}]: needle's native format cannot separate reasoning from a text answer")
+            body = f"{THINK}{reasoning}" if reasoning else ""
+            body += content
+            if calls is not None:
+                body += CALL + format_calls([c["function"] for c in calls])
+            out += [(text + ASSISTANT, None), (body + END, i)]
+            text = ""
+    return out
+
+
 class NativeFormat:
     """Needle's own template (the module-level functions, as a :class:`ChatFormat`)."""
 
     name = "needle"
+
+    def encode_conversation(self, row: Row, tok: TokenizerLike, max_len: int, loss_on: str = "all_assistant") -> Example:
+        """A whole conversation (:func:`conversation_segments`), each segment encoded on its own,
+        loss on the assistant turns (``all_assistant``) or the last (``last_assistant``); a
+        tokenizer without ``<|end|>`` closes each turn with its own end id, as for rows."""
+        segments = conversation_segments(row)
+        last = segments[-1][1]
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, turn in segments:
+            part = tok.encode(text)
+            if turn is not None and part[-1:] != [tok.end_id]:
+                part.append(tok.end_id)
+            ids += part
+            mask += [int(turn is not None and (loss_on == "all_assistant" or turn == last))] * len(part)
+        return Example(ids[:max_len], mask[:max_len], len(ids) > max_len)
 
     def render_prompt(self, row: Row) -> str:
         return render_prompt(row)

@@ -126,18 +126,29 @@ def test_cli_refuses_a_bad_conversation_naming_the_message(write_jsonl: Callable
     assert main(["validate", str(ok)]) == 0
 
 
-def test_preparation_refuses_conversations_until_they_render(write_jsonl: Callable[..., Path], data_tokenizer: Any) -> None:
-    # Encoding a conversation as its last query/answers would train on something else: refused.
+def test_conversations_prepare_in_needles_format(write_jsonl: Callable[..., Path], data_tokenizer: Any) -> None:
     from needle.config import DataConfig
     from needle.data.prepare import prepare_rows
+    from needle.data.render import NativeFormat, conversation_segments
 
     single = {"query": "Weather in Rome?", "tools": [WEATHER], "answers": [{"name": "get_weather", "arguments": {"city": "Rome"}}]}
+    row = parse_row(single, "s:1")
+    fmt = NativeFormat()
+    for loss_on in ("all_assistant", "last_assistant"):  # a query/answers row: today's ids and mask
+        assert fmt.encode_conversation(row, data_tokenizer, 1 << 30, loss_on) == fmt.encode_example(row, data_tokenizer, 1 << 30)
+    conv = parse_row({"messages": GOOD, "tools": [WEATHER]}, "c:1")
+    segments = conversation_segments(conv)
+    assert [t for _, t in segments] == [None, 2, None, 4]
+    assert segments[1][0] == '<|call|>[{"name":"get_weather","arguments":{"city":"Oslo"}}]<|end|>'
+    assert segments[3][0] == "It is 3 degrees.<|end|>"
+    assert segments[2][0] == '<|tools|>{"name":"get_weather","content":"{\\"temp\\": 3}"}<|end|><|assistant|>'
+    ex = fmt.encode_conversation(conv, data_tokenizer, 1 << 30)
+    want = [int(t is not None) for text, t in segments for _ in data_tokenizer.encode(text)]
+    assert ex.loss_mask == want
     path = write_jsonl([single, {"messages": GOOD, "tools": [WEATHER]}, single, single])
-    cfg = DataConfig(source=str(path), val_fraction=0, test_fraction=0)
-    with pytest.raises(DataError, match=":2: conversation rows cannot be trained on with this model.s format yet"):
-        prepare_rows(load_source(str(path)), cfg, data_tokenizer)
-    dropped = prepare_rows(load_source(str(path)), cfg.model_copy(update={"on_error": "drop"}), data_tokenizer)
-    assert dropped.stats["rows"]["train"] == 3 and dropped.stats["dropped"] == 1
+    cfg = DataConfig(source=str(path), val_fraction=0, test_fraction=0, max_len=1024)
+    prepared = prepare_rows(load_source(str(path)), cfg, data_tokenizer)
+    assert prepared.stats["rows"]["train"] == 4 and prepared.stats["dropped"] == 0
 
 
 def test_the_sample_conversations_validate() -> None:
