@@ -37,7 +37,7 @@ from needle.data.render import Example, compact_json, format_calls, join_example
 from needle.data.schema import Row
 from needle.eval.parse import ParsedCall, parse_needle3  # noqa: F401  (the parser sits below, with the others)
 from needle.needle3_markers import BOS_ID, EOS_ID, IM_END, IM_START, THINK_END, THINK_START, TOOL_CALL_END
-from needle.needle3_markers import TOOL_CALL_START, TOOLS_END, TOOLS_START
+from needle.needle3_markers import TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, TOOLS_END, TOOLS_START
 from needle.tokenizer_base import TokenizerLike
 
 FORMAT_ID = "needle3"
@@ -80,6 +80,47 @@ def _special_id(tok: TokenizerLike, attr: str, want: int) -> int:
     return want
 
 
+def conversation_segments(row: Row) -> list[tuple[str, int | None]]:
+    """A conversation in Needle 3's turns as (text, assistant message index or None) segments.
+
+    The reference renders one query and its calls; a conversation continues in the same ChatML
+    turns, the tools in the first user turn as there, each tool result in Needle's own markers::
+
+        [<|im_start|>system\\n{system}<|im_end|>\\n]<|im_start|>user\\n<tools>{tools}</tools>\\n{query}<|im_end|>\\n
+        <|im_start|>assistant\\n + [<think>\\n{reasoning}\\n</think>\\n]{text}[<tool_call>{calls}</tool_call>]<|im_end|>  <- loss
+        \\n<|im_start|>tool\\n<tool_result>{"name": tool, "content": result}</tool_result><|im_end|>\\n
+        <|im_start|>user\\n{text}<|im_end|>\\n
+
+    so a query/answers row gives exactly :func:`render_example`'s prompt and target.
+    """
+    from needle.data.conversation import row_messages  # lazy, as render.conversation_segments
+
+    messages = row_messages(row)
+    out: list[tuple[str, int | None]] = []
+    text = ""
+    first_user = True
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            system = m["content"].strip()
+            text += f"{IM_START}system\n{system}{IM_END}\n" if system else ""
+        elif m["role"] == "user":
+            tools = f"{TOOLS_START}{compact_json(row.tools)}{TOOLS_END}\n" if first_user else ""
+            text += f"{IM_START}user\n{tools}{m['content']}{IM_END}\n"
+            first_user = False
+        elif m["role"] == "tool":
+            result = compact_json({"name": m["name"], "content": m["content"]})
+            text += f"{IM_START}tool\n{TOOL_RESULT_START}{result}{TOOL_RESULT_END}{IM_END}\n"
+        else:
+            reasoning = (m.get("reasoning_content") or "").strip()
+            body = f"{THINK_START}\n{reasoning}\n{THINK_END}\n" if reasoning else ""
+            body += m.get("content") or ""
+            if m.get("tool_calls") is not None:
+                body += f"{TOOL_CALL_START}{format_calls([c['function'] for c in m['tool_calls']])}{TOOL_CALL_END}"
+            out += [(text + f"{IM_START}assistant\n", None), (body + IM_END, i)]
+            text = "\n"  # the newline after <|im_end|> opens the next turn (no loss on it)
+    return out
+
+
 class Needle3Format:
     """Needle 3's row format as a :class:`~needle.data.render.ChatFormat`."""
 
@@ -102,6 +143,19 @@ class Needle3Format:
         prompt, target = render_example(_example(row))
         bos, eos = _special_id(tok, "bos_id", BOS_ID), _special_id(tok, "eos_id", EOS_ID)
         return join_example([bos, *tok.encode(prompt)], [*tok.encode(target), eos], max_len)
+
+    def encode_conversation(self, row: Row, tok: TokenizerLike, max_len: int, loss_on: str = "all_assistant") -> Example:
+        """``[bos]`` + the segments, each encoded on its own, + ``[eos]`` (loss on it with the last
+        turn); loss on the assistant turns (``all_assistant``) or the last (``last_assistant``)."""
+        bos, eos = _special_id(tok, "bos_id", BOS_ID), _special_id(tok, "eos_id", EOS_ID)
+        segments = conversation_segments(row)
+        last = segments[-1][1]
+        ids, mask = [bos], [0]
+        for text, turn in segments:
+            part = tok.encode(text) + ([eos] if turn == last else [])
+            ids += part
+            mask += [int(turn is not None and (loss_on == "all_assistant" or turn == last))] * len(part)
+        return Example(ids[:max_len], mask[:max_len], len(ids) > max_len)
 
     def template_id(self) -> str:
         return f"{FORMAT_ID}:{TEMPLATE_VERSION}:{TEMPLATE}"

@@ -177,8 +177,8 @@ def overlong_reason(n_tokens: int, max_len: int) -> str:
             "model's context, or drop such rows with on_error=drop)")  # fmt: skip
 
 
-CONVERSATION_NOT_RENDERED = ("conversation rows cannot be trained on with this model's format yet: whole "
-                             "conversations render in needle's format and a model's chat template so far (issue 21); "
+CONVERSATION_NOT_RENDERED = ("conversation rows cannot be trained on with this model's format: it has no "
+                             "encode_conversation (needle's, Needle 3's and Jinja chat templates have); "
                              "give query/answers rows")
 
 
@@ -190,8 +190,8 @@ def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fm
     rows, examples, refused = [], [], []
     for row in loaded.rows:
         if row.messages is not None and not hasattr(fmt, "encode_conversation"):
-            # Until Needle 3's format renders whole conversations (issue 21, item 2), encoding one
-            # as its last query/answers would train on another example: refuse.
+            # A format that cannot render whole conversations (a custom ChatFormat): encoding one
+            # as its last query/answers would train on another example, so refuse it.
             refused.append(DataIssue(*split_source(row.source), CONVERSATION_NOT_RENDERED))
             continue
         try:
