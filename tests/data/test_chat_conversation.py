@@ -8,6 +8,8 @@ rendering cut into prompt and assistant segments equals transformers' apply_chat
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +31,31 @@ CONVERSATION = {"tools": [TIMER, WEATHER], "messages": [
     {"role": "tool", "tool_call_id": "c2", "content": "started"},
     {"role": "assistant", "content": "Timer set."},
 ]}  # fmt: skip
+
+
+GOLDEN = Path(__file__).parent / "fixtures" / "chat_conversation_golden.json"
+
+
+def make_golden() -> dict[str, str]:
+    """transformers' rendering of CONVERSATION per family (needs transformers):
+    ``python tests/data/test_chat_conversation.py`` rewrites the fixture."""
+    import transformers
+
+    out = {}
+    for family in FAMILIES:
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer(family), **FAMILIES[family]["config"])
+        hf.chat_template = template(family)
+        fmt, row = _fmt(family), parse_row(CONVERSATION, "c:1")
+        out[family] = hf.apply_chat_template(fmt.conversation(row), tools=fmt.tools(row), tokenize=False,
+                                             **TEMPLATE_KWARGS.get(family, {}))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_conversation_rendering_equals_transformers_golden(family: str) -> None:
+    want = json.loads(GOLDEN.read_text(encoding="utf-8"))[family]
+    segments = _fmt(family).conversation_segments(parse_row(CONVERSATION, "c:1"))
+    assert "".join(text for text, _ in segments) == want
 
 
 def _fmt(family: str) -> JinjaChatFormat:
@@ -140,3 +167,9 @@ def test_conversations_prepare_with_a_chat_template(tmp_path: Any, hf_toks: dict
     assert len(conv) == 2 and conv[0]["query"] is None
     with pytest.raises(DataError, match=r"rows.jsonl:1: row longer than max_len"):
         prepare_rows(load_source(str(path)), cfg.model_copy(update={"max_len": 64}), tok)  # refused, never cut
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    GOLDEN.write_text(json.dumps(make_golden(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"wrote {GOLDEN}")
