@@ -3,7 +3,8 @@
 Runs in the side virtualenv that has ``cactus-needle[train]==3.2.8`` and ``sentencepiece``
 (its package is also called ``needle``, so this script imports nothing from this repository):
 
-    .cache/bench-venv/bin/python -I tests/data/make_needle3_format_fixtures.py
+    V=$(.venv/bin/python -c 'from needle.model.cactus_env import ensure_cactus_env as e; print(e())')
+    $V -I tests/data/make_needle3_format_fixtures.py
 
 The published Needle 3 ``tokenizer.model`` lives on the hub, which is unreachable here, so this
 trains two small stand-in SentencePiece models with Needle's fixed special ids (pad 0, eos 1,

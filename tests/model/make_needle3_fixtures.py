@@ -4,8 +4,8 @@ Runs ONLY in a side virtualenv that has ``cactus-needle[train]==3.2.8`` installe
 package is also called ``needle``, so this script imports nothing from this repository and must
 be run isolated, from any directory)::
 
-    python3 -m venv .cache/bench-venv && .cache/bench-venv/bin/pip install 'cactus-needle[train]==3.2.8'
-    JAX_PLATFORMS=cpu .cache/bench-venv/bin/python -I tests/model/make_needle3_fixtures.py
+    V=$(.venv/bin/python -c 'from needle.model.cactus_env import ensure_cactus_env as e; print(e())')
+    JAX_PLATFORMS=cpu $V -I tests/model/make_needle3_fixtures.py
 
 For each tiny config in CONFIGS it writes into tests/fixtures/needle3/:
 
