@@ -26,12 +26,21 @@ Per chat format (needle/data/chat.py ``format_for``), what a call list is:
 - FunctionGemma's ``call:name{…}`` is not JSON: ``Constraints.supported`` is False there and
   decoding stays free (``grammar_for`` raises :class:`UnsupportedFormat`).
 
+What a row may answer is its ``mode`` (:data:`MODES`): ``calls`` a call list (``[]`` included;
+what evaluation and the table shape ask), ``required`` at least one call, ``none`` plain text,
+``auto`` either (OpenAI's ``tool_choice``). Plain text (``TEXT``) is at least one
+non-space character, holds none of the format's call markers (a special token never matches
+it; a marker that is plain text is excluded by the regex) and, for the JSON formats, does not
+start with ``[`` or ``{``; so a row's answer reads back unambiguously as calls or as text
+(needle/eval/reply.py).
+
 The end of the call list is the tokenizer's stop ids (``tok.stop_ids``): once the grammar is
-complete only they are allowed. Grammars are compiled once per tool set (an LRU cache keyed by the
-tools' canonical JSON); each row gets a cheap copy of the compiled matcher.
+complete only they are allowed. Grammars are compiled once per tool set and mode (an LRU cache
+keyed by the tools' canonical JSON); each row gets a cheap copy of the compiled matcher.
 
     cons = Constraints.for_tokenizer(tok, fmt)
     matcher = cons.matcher(row.tools)          # raises ToolSchemaError for a bad schema
+    matcher = cons.matcher(row.tools, "auto")  # calls or plain text
 """
 
 from __future__ import annotations
@@ -100,10 +109,12 @@ def any_call_schema(tools: Sequence[dict[str, Any]], args_key: str = "arguments"
     return {"anyOf": calls} if calls else {"not": {}}
 
 
-def call_list_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A JSON list of calls to ``tools`` (``[]`` included)."""
+def call_list_schema(tools: Sequence[dict[str, Any]], min_items: int = 0) -> dict[str, Any]:
+    """A JSON list of calls to ``tools`` (``[]`` included unless ``min_items``)."""
     items = any_call_schema(tools)
-    return {"type": "array", "items": items} if tools else {"type": "array", "maxItems": 0}
+    if not tools:
+        return {"type": "array", "maxItems": 0}
+    return {"type": "array", "items": items, **({"minItems": min_items} if min_items else {})}
 
 
 # JSON spacing per format: needle's compact JSON, and Jinja's tojson (", " and ": ") for HF templates.
@@ -140,34 +151,78 @@ def format_kind(fmt: Any) -> str:
     return kinds[parser]
 
 
-def grammar_for(kind: str, tools: Sequence[dict[str, Any]], specials: dict[str, int] | None = None) -> str:
-    """The Lark grammar (llguidance dialect) of the call list of format ``kind`` for ``tools``."""
-    specials = specials or {}
+MODES = ("calls", "auto", "required", "none")
+# Per format: the call opener a TEXT answer must not contain, and whether TEXT must not start
+# like JSON (formats whose calls are bare JSON).
+_TEXT_RULES = {"native": (CALL, False), "needle3": ("<tool_call>", False), "hermes": ("<tool_call>", False),
+               "llama": (None, True), "json_list": (None, True)}  # fmt: skip
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def _text_rule(kind: str, specials: dict[str, int]) -> str:
+    """``TEXT``: a plain-text answer in format ``kind`` (module doc)."""
+    marker, json_like = _TEXT_RULES[kind]
+    first = "[^\\s\\[{`]" if json_like else "[^\\s]"
+    rule = f"TEXT: /\\s*{first}(.|\\n)*/"
+    if marker is not None and marker not in specials:
+        escaped = "".join("\\" + c if c in _REGEX_META else c for c in marker)
+        rule += f" & ~/(.|\\n)*{escaped}(.|\\n)*/"
+    return rule + "\n"
+
+
+def _calls_start(kind: str, tools: Sequence[dict[str, Any]], specials: dict[str, int], required: bool) -> str:
+    """The ``calls_start`` rule (and the rules it uses) of a call list in format ``kind``."""
     if kind == "native":
-        return f"start: {_lit(CALL, specials)} calls\ncalls: {_json_rule(call_list_schema(tools), COMPACT)}\n"
+        schema = call_list_schema(tools, int(required))
+        return f"calls_start: {_lit(CALL, specials)} calls\ncalls: {_json_rule(schema, COMPACT)}\n"
     if kind == "needle3":
         open_, close = _lit("<tool_call>", specials), _lit("</tool_call>", specials)
         # An optional leading space: with SentencePiece's dummy prefix the target, encoded on its
         # own as the reference does, starts with "▁" (decoding drops it again).
-        return f'start: " "? {open_} calls {close}\ncalls: {_json_rule(call_list_schema(tools), COMPACT)}\n'
+        schema = call_list_schema(tools, int(required))
+        return f'calls_start: " "? {open_} calls {close}\ncalls: {_json_rule(schema, COMPACT)}\n'
     if kind == "json_list":
-        return f"start: calls\ncalls: {_json_rule(call_list_schema(tools), SPACED)}\n"
+        return f"calls_start: calls\ncalls: {_json_rule(call_list_schema(tools, int(required)), SPACED)}\n"
     if kind == "hermes":
         open_, close = _lit("<tool_call>", specials), _lit("</tool_call>", specials)
-        # Qwen3 writes an (empty) reasoning block first: allowed, but only empty.
-        think = f'({_lit("<think>", specials)} "\\n\\n" {_lit("</think>", specials)} "\\n\\n")?'
         if not tools:
-            return f"start: {think}\n"
+            return "calls_start: think\n"
+        blocks = 'block ("\\n" block)*' if required else '(block ("\\n" block)*)?'
         return (
-            f'start: {think} (block ("\\n" block)*)?\n'
+            f"calls_start: think {blocks}\n"
             f'block: {open_} "\\n" call "\\n" {close}\n'
             f"call: {_json_rule(any_call_schema(tools), SPACED)}\n"
         )
     if kind == "llama":
         if not tools:
-            return 'start: ""\n'
-        return f"start: call?\ncall: {_json_rule(any_call_schema(tools, 'parameters'), SPACED)}\n"
+            return 'calls_start: ""\n'
+        call = "call" if required else "call?"
+        return f"calls_start: {call}\ncall: {_json_rule(any_call_schema(tools, 'parameters'), SPACED)}\n"
     raise UnsupportedFormat(f"no call grammar for the {kind} call format")
+
+
+def grammar_for(kind: str, tools: Sequence[dict[str, Any]], specials: dict[str, int] | None = None,
+                mode: str = "calls") -> str:  # fmt: skip
+    """The Lark grammar (llguidance dialect) of an answer of format ``kind`` for ``tools`` in
+    ``mode`` (module doc): ``calls`` the call list, ``required`` a non-empty one, ``none``
+    plain text, ``auto`` either (only text when no tool is offered)."""
+    specials = specials or {}
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "required" and not tools:
+        raise ToolSchemaError("at least one call is required, but no tool is offered")
+    if kind not in _TEXT_RULES:
+        raise UnsupportedFormat(f"no call grammar for the {kind} call format")
+    # Qwen3 writes an (empty) reasoning block first: allowed, but only empty.
+    think = f'think: ({_lit("<think>", specials)} "\\n\\n" {_lit("</think>", specials)} "\\n\\n")?\n'
+    think = think if kind == "hermes" else ""
+    if mode == "none" or (mode == "auto" and not tools):
+        return ("start: think TEXT\n" if think else "start: TEXT\n") + think + _text_rule(kind, specials)
+    calls = _calls_start(kind, tools, specials, mode == "required")
+    if mode == "auto":
+        text = "think TEXT" if think else "TEXT"
+        return f"start: calls_start | {text}\n{calls}{think}{_text_rule(kind, specials)}"
+    return f"start: calls_start\n{calls}{think}"
 
 
 def _token_id_or_none(tok: TokenizerLike, text: str) -> int | None:
@@ -247,19 +302,19 @@ class Constraints:
             self._close = scores
         return self._close
 
-    def grammar(self, tools: Sequence[dict[str, Any]]) -> str:
-        return grammar_for(self.kind, tools, self._specials)
+    def grammar(self, tools: Sequence[dict[str, Any]], mode: str = "calls") -> str:
+        return grammar_for(self.kind, tools, self._specials, mode)
 
-    def _compiled(self, tools: Sequence[dict[str, Any]]) -> Any:
+    def _compiled(self, tools: Sequence[dict[str, Any]], mode: str) -> Any:
         import llguidance
 
-        key = tools_key(tools)
+        key = tools_key(tools) if mode == "calls" else f"{mode}:{tools_key(tools)}"
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        matcher = llguidance.LLMatcher(self._lltok, self.grammar(tools), log_level=0)
+        matcher = llguidance.LLMatcher(self._lltok, self.grammar(tools, mode), log_level=0)
         if matcher.is_error():
             raise ToolSchemaError(f"tool schemas not supported by the call grammar: {matcher.get_error()}")
         with self._lock:
@@ -269,9 +324,10 @@ class Constraints:
                 self._cache.popitem(last=False)
         return matcher
 
-    def matcher(self, tools: Sequence[dict[str, Any]]) -> Any:
-        """A fresh matcher for one row offered ``tools`` (compiled once per tool set)."""
-        return self._compiled(tools).deep_copy()
+    def matcher(self, tools: Sequence[dict[str, Any]], mode: str = "calls") -> Any:
+        """A fresh matcher for one row offered ``tools`` answering in ``mode`` (compiled once per
+        tool set and mode)."""
+        return self._compiled(tools, mode).deep_copy()
 
 
 class BatchMasks:

@@ -137,6 +137,9 @@ def _strip_think(text: str) -> tuple[str | None, str]:
     return (m.group(1).strip() or None), text[m.end() :]
 
 
+strip_think = _strip_think  # the public name (needle/eval/reply.py reads text answers with it)
+
+
 def _as_call(index: int, obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     """``{"name", "arguments"|"parameters"}`` (arguments may be a JSON string) as a needle call."""
     if not isinstance(obj, dict):

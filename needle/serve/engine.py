@@ -1,11 +1,21 @@
 """One loaded model answering tool-call requests, each with its own tools: what predict and serving share.
 
 ``Predictor(loaded)`` keeps the model, its chat format and (lazily) its call grammars
-(needle/serve/constrain.py, compiled once per tool set). ``predict(requests)`` takes
-``(query, tools)`` pairs and returns, per request, the parsed call list or an error object
+(needle/eval/constrain.py, compiled once per tool set and mode). ``predict(requests)`` takes
+``(query, tools)`` pairs or :class:`Request` objects and returns, per request, the parsed call
+list, a text answer ``{"content": text, "finished": bool}``, or an error object
 ``{"error": reason, "raw": generated text}``; a request that cannot be served (bad tools, empty
-query, a prompt too long for the context, a schema the grammar cannot take) gets its error
-without stopping the others.
+query, a bad conversation, a prompt too long for the context, a schema the grammar cannot take)
+gets its error without stopping the others.
+
+A request is a query (the table shape's single turn) or the conversation so far (OpenAI
+messages, tool results included), whose prompt is rendered as training renders conversations
+(needle/serve/prompt.py). Its ``mode`` is the grammar's (needle/eval/constrain.py ``MODES``):
+``calls`` (a call list, ``[]`` included: a query's answer, as ever), ``auto`` (calls or text),
+``required`` (at least one call), ``none`` (text); ``only`` names the one tool the grammar
+offers (OpenAI's named ``tool_choice``) while the prompt still lists them all. Outside ``calls``
+a turn is read back by needle/eval/reply.py; without the grammar (``constrained=False``) the
+mode and ``only`` are not enforced.
 
 Concurrent callers (the scoring server runs each request in a thread) are batched: while one
 decode runs, newly arrived rows queue; the next caller to find the decoder idle decodes every
@@ -28,8 +38,10 @@ from needle.data.chat import format_for
 from needle.data.render import encode_prompts
 from needle.data.schema import Row, parse_row
 from needle.eval.decode import generate_detailed, prompt_budget
+from needle.eval.reply import read_reply
 from needle.model.io import LoadedModel
 from needle.model.factory import module_for
+from needle.serve.prompt import Request, conversation_prompt, conversation_row
 
 Prediction = list[dict[str, Any]] | dict[str, Any]
 
@@ -46,6 +58,10 @@ def checked_tools(tools: Any) -> list[dict[str, Any]]:
 
 def error(reason: str, raw: str = "") -> dict[str, Any]:
     return {"error": reason, "raw": raw}
+
+
+def _as_request(item: Any) -> Request:
+    return item if isinstance(item, Request) else Request(query=item[0], tools=item[1])
 
 
 class Predictor:
@@ -75,51 +91,72 @@ class Predictor:
                 self._constraints_error = str(exc)
         return self._constraints
 
-    def predict(self, requests: Sequence[tuple[Any, Any]], constrained: bool = True) -> list[Prediction]:
-        """Calls (or an error object) per ``(query, tools)`` request; see the module doc."""
+    def predict(self, requests: Sequence[Any], constrained: bool = True) -> list[Prediction]:
+        """Calls, text or an error object per request (``(query, tools)`` or :class:`Request`); module doc."""
         from needle.eval.constrain import ToolSchemaError
 
         out: list[Prediction] = [error("not decoded")] * len(requests)
-        rows: list[tuple[int, Row, Any]] = []
+        rows: list[tuple[int, Request, list[int] | Row, Any]] = []
         cons = self.constraints() if constrained else None
         if constrained and cons is None:
             return [error(f"constrained decoding unavailable: {self._constraints_error}")] * len(requests)
-        for i, (query, tools) in enumerate(requests):
+        for i, item in enumerate(requests):
+            req = _as_request(item)
             try:
-                if not isinstance(query, str) or not query.strip():
-                    raise ValueError("query is empty" if isinstance(query, str) else "query must be a string")
-                checked = checked_tools(tools)
-                matcher = cons.matcher(checked) if cons is not None else None
+                prompt, checked = self._prompt(req, i)
+                allowed = checked
+                if req.only is not None:
+                    allowed = [t for t in checked if t["name"] == req.only]
+                    if not allowed:
+                        raise ValueError(f"tool_choice names {req.only!r}, which is not among the offered tools")
+                matcher = cons.matcher(allowed, req.mode) if cons is not None else None
             except (ValueError, ToolSchemaError) as exc:
                 out[i] = error(str(exc))
                 continue
-            row = Row(query=query, tools=checked, answers=[], reasoning=None, system=None, source=f"request:{i + 1}")
-            rows.append((i, row, matcher))
+            rows.append((i, req, prompt, matcher))
         if not rows:
             return out
-        prompts = encode_prompts(self.fmt, [r for _, r, _ in rows], self.tok)
+        queries = [p for _, _, p, _ in rows if isinstance(p, Row)]
+        encoded = iter(encode_prompts(self.fmt, queries, self.tok) if queries else [])
         fits = []
-        for (i, _, m), p in zip(rows, prompts):
-            if len(p) <= self.budget:
-                fits.append((i, p, m))
+        for i, req, p, m in rows:
+            ids = next(encoded) if isinstance(p, Row) else p
+            if len(ids) <= self.budget:
+                fits.append((i, req, ids, m))
             else:
-                out[i] = error(f"prompt has {len(p)} tokens; at most {self.budget} fit with "
+                out[i] = error(f"prompt has {len(ids)} tokens; at most {self.budget} fit with "
                                f"max_new_tokens={self.cfg.max_new_tokens}")  # fmt: skip
         if not fits:
             return out
-        pending = [_Pending(p, m) for _, p, m in fits]
+        pending = [_Pending(p, m) for _, _, p, m in fits]
         self._decode_batched(pending)
-        end_name = self.tok.decode([self.tok.end_id])
-        for (i, _, _), done in zip(fits, pending):
-            ids, finished = done.ids, done.finished
-            text = self.tok.decode(ids)
-            parsed = self.fmt.parse(text)
-            if parsed.ok:
-                out[i] = parsed.calls
-            else:
-                why = parsed.error if finished else f"no {end_name} within {self.cfg.max_new_tokens} tokens; {parsed.error}"
-                out[i] = error(why, text)
+        for (i, req, _, _), done in zip(fits, pending):
+            out[i] = self._read(self.tok.decode(done.ids), done.finished, req.mode)
         return out
+
+    def _prompt(self, req: Request, i: int) -> tuple[list[int] | Row, list[dict[str, Any]]]:
+        """A conversation's prompt ids (or a query's row, encoded in one batch later) and its checked tools."""
+        if req.messages is not None:
+            row = conversation_row(req.messages, req.tools if req.tools is not None else [], f"request:{i + 1}")
+            return conversation_prompt(self.fmt, row, self.tok), row.tools
+        query = req.query
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("query is empty" if isinstance(query, str) else "query must be a string")
+        checked = checked_tools(req.tools)
+        return Row(query=query, tools=checked, answers=[], reasoning=None, system=None, source=f"request:{i + 1}"), checked
+
+    def _read(self, text: str, finished: bool, mode: str) -> Prediction:
+        """One decoded turn as calls, ``{"content", "finished"}`` or an error object."""
+        late = "" if finished else f"no {self.tok.decode([self.tok.end_id])} within {self.cfg.max_new_tokens} tokens; "
+        if mode == "calls":
+            parsed = self.fmt.parse(text)
+            return parsed.calls if parsed.ok else error(late + str(parsed.error), text)
+        reply = read_reply(self.fmt, text)
+        if reply.error is not None:
+            return error(late + reply.error, text)
+        if reply.calls is not None:
+            return reply.calls
+        return {"content": reply.content, "finished": finished}
 
     def _decode_batched(self, pending: list["_Pending"]) -> None:
         """Decode ``pending`` rows, together with whatever other callers queued meanwhile."""

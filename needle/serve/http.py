@@ -12,12 +12,13 @@ The app is MLflow's own (``mlflow.pyfunc.scoring_server.init``), so ``/ping``, `
 are added, because OpenAI client libraries post to ``<base_url>/chat/completions`` and MLflow's
 server has only ``/invocations``:
 
-- ``POST /v1/chat/completions``: an OpenAI chat request (single turn: the last user message is
-  the query; ``tools`` in the function format; ``tool_choice`` ``auto``/``none``/a named function)
-  answered with a ``chat.completion`` whose message holds ``tool_calls``. Both go through the
-  pyfunc model's own ``predict`` (``needle.serve.requests.chat_answer``). A request that cannot
-  be served answers HTTP 400 with OpenAI's ``{"error": {...}}`` object (client libraries raise
-  ``BadRequestError``); the server keeps serving.
+- ``POST /v1/chat/completions``: an OpenAI chat request (the whole conversation so far, earlier
+  calls and ``tool`` results included; ``tools`` in the function format; ``tool_choice``
+  ``auto``/``none``/``required``/a named function) answered with a ``chat.completion`` whose
+  message holds ``tool_calls`` or text ``content``. Both go through the pyfunc model's own
+  ``predict`` (``needle.serve.requests.chat_answer``). A request that cannot be served (a bad
+  conversation included) answers HTTP 400 with OpenAI's ``{"error": {...}}`` object (client
+  libraries raise ``BadRequestError``); the server keeps serving.
 - ``GET /v1/models``: the one model, so ``client.models.list()`` works.
 
 ``stream: true`` and ``n > 1`` are refused with 400 (one constrained decode per request).

@@ -60,18 +60,20 @@ def input_example() -> Any:
 
 
 def signature() -> Any:
-    """Table in (``query``, ``tools`` JSON string), table out (``calls`` JSON string, ``error``); param
-    ``constrained``. The chat shape bypasses it (``needle.serve.requests``)."""
+    """Table in (``query`` or ``messages``, ``tools`` JSON string), table out (``calls`` JSON string,
+    ``content``, ``error``); param ``constrained``. The chat shape bypasses it (``needle.serve.requests``)."""
     from mlflow.models.signature import ModelSignature
-    from mlflow.types.schema import AnyType, Array, ColSpec, Object, ParamSchema, ParamSpec, Property, Schema
+    from mlflow.types.schema import AnyType, Array, ColSpec, ParamSchema, ParamSpec, Schema
 
-    # The chat shape's ``messages`` column makes MLflow read a chat body as one row; ``tools`` is a
-    # JSON string in the table shape and a list in the chat shape, hence AnyType.
-    message = Object([Property("role", "string"), Property("content", "string", required=False)])
+    # ``messages`` (a conversation: its messages carry tool_calls, tool results, null contents) and
+    # ``tools`` (a JSON string in the table shape, a list in the chat shape) are AnyType; the chat
+    # shape's ``tool_choice`` is declared so that MLflow passes it through.
     return ModelSignature(
         inputs=Schema([ColSpec("string", "query", required=False), ColSpec(AnyType(), "tools", required=False),
-                       ColSpec(Array(message), "messages", required=False)]),  # fmt: skip
-        outputs=Schema([ColSpec("string", "calls", required=False), ColSpec("string", "error", required=False)]),
+                       ColSpec(Array(AnyType()), "messages", required=False),
+                       ColSpec(AnyType(), "tool_choice", required=False)]),  # fmt: skip
+        outputs=Schema([ColSpec("string", "calls", required=False), ColSpec("string", "content", required=False),
+                        ColSpec("string", "error", required=False)]),  # fmt: skip
         params=ParamSchema([ParamSpec("constrained", "boolean", True)]),
     )
 

@@ -1,23 +1,33 @@
 """Request shapes the served model answers, and its answers.
 
 **Table** (``mlflow.pyfunc`` ``predict(DataFrame)``; over HTTP ``{"dataframe_records": [...]}``
-or ``{"dataframe_split": ...}``): columns ``query`` (str) and ``tools`` (the tool list as a JSON
-string, or the list itself); one output row per input row with ``calls`` (the call list as a
-JSON string, ``"[]"`` for none; null on error) and ``error`` (null, or why the row could not
-be served). Over HTTP the answer is ``{"predictions": [{"calls": …, "error": …}, …]}``.
+or ``{"dataframe_split": ...}``): columns ``query`` (str) or ``messages`` (a conversation so far
+in the OpenAI chat layout, a list; null in a query row), and ``tools`` (the tool list as a JSON
+string, or the list itself). One output row per input row with ``calls`` (the call list as a
+JSON string, ``"[]"`` for none; null on error), ``content`` (a conversation row's answer in
+words, else null) and ``error`` (null, or why the row could not be served). A query row answers
+a call list (``[]`` when no tool fits); a conversation row calls or answers in text. Over HTTP
+the answer is ``{"predictions": [{"calls": …, "content": …, "error": …}, …]}``. (MLflow hands a
+chat body to the model as a one-row table with ``messages``: a one-row table is read as the
+table shape only when it has a ``query`` column, null for a conversation row.)
 
 **OpenAI chat** (a body with ``messages``, which MLflow's scoring server passes through
-unwrapped): ``messages`` with the user turn (the last ``user`` message is the query) and
-``tools`` in the OpenAI function format (``[{"type": "function", "function": {"name",
-"description", "parameters"}}]``); the answer is a ``chat.completion`` object whose message
-holds ``tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments": JSON
-string}}]``, ``finish_reason`` ``"tool_calls"``) or, with no call, ``content`` ``""`` and
-``finish_reason`` ``"stop"``. ``tool_choice`` ``"none"`` offers no tool, a named function only
-that one (``"required"`` is taken as ``"auto"``: the grammar allows the empty list). A request that cannot be served answers an ``error`` object
-(``{"error": {"message", "type": "invalid_request_error"}}``) instead of failing the server.
+unwrapped): the whole conversation so far (system, user, assistant turns with ``tool_calls``,
+``tool`` results; validated as a data row's, needle/serve/prompt.py) and ``tools`` in the OpenAI
+function format (``[{"type": "function", "function": {"name", "description", "parameters"}}]``);
+the prompt is the conversation rendered as training renders it. The answer is a
+``chat.completion`` whose message holds ``tool_calls`` (``[{"id", "type": "function", "function":
+{"name", "arguments": JSON string}}]``, ``finish_reason`` ``"tool_calls"``) or the text
+``content`` (``finish_reason`` ``"stop"``, ``"length"`` when the token budget ran out).
+``tool_choice``: ``auto`` (default) lets the grammar write calls or text, ``required`` calls
+only (at least one), a named function calls to that tool only, ``none`` text only; the prompt
+lists every offered tool in each case. A request that cannot be served answers an ``error``
+object (``{"error": {"message", "type": "invalid_request_error"}}``) instead of failing the
+server.
 
 ``params`` (``{"params": {"constrained": false}}`` over HTTP, or a chat body's own
-``"constrained"`` key) turns the grammar off; it is on by default.
+``"constrained"`` key) turns the grammar off (``tool_choice`` is then not enforced); it is on by
+default.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import uuid
 from typing import Any
 
 from needle.data.render import compact_json
+from needle.serve.prompt import Request
 
 CHAT_KEY = "messages"
 
@@ -64,11 +75,12 @@ def _flag(value: Any, default: bool = True) -> bool:
 
 
 def is_chat(model_input: Any) -> bool:
-    """True for an OpenAI-style chat body (a mapping with ``messages``), as a dict or one-row table."""
+    """True for an OpenAI-style chat body (a mapping with ``messages``), as a dict or as the one-row
+    table MLflow makes of it (no ``query`` column: a table of conversations has one; module doc)."""
     if isinstance(model_input, dict):
         return CHAT_KEY in model_input
     columns = getattr(model_input, "columns", None)
-    return columns is not None and CHAT_KEY in columns
+    return columns is not None and CHAT_KEY in columns and "query" not in columns and len(model_input) == 1
 
 
 def answer(predictor: Any, model_input: Any, params: dict[str, Any], model_name: str = "needle") -> Any:
@@ -82,6 +94,8 @@ def answer(predictor: Any, model_input: Any, params: dict[str, Any], model_name:
 
 def _cell(row: Any, key: str) -> Any:
     value = row.get(key) if isinstance(row, dict) else None
+    if hasattr(value, "tolist"):  # a numpy array from a DataFrame cell
+        value = value.tolist()
     try:
         import pandas as pd
 
@@ -92,8 +106,22 @@ def _cell(row: Any, key: str) -> Any:
     return value
 
 
+def _table_request(rec: Any) -> Request:
+    raw_tools = _cell(rec, "tools")
+    if raw_tools is None:
+        raise ValueError("missing column 'tools'")
+    messages, query = _cell(rec, CHAT_KEY), _cell(rec, "query")
+    if messages is not None:
+        if query is not None:
+            raise ValueError("a row has either 'query' or 'messages', not both")
+        return Request(messages=messages, tools=_tools_of(raw_tools), mode="auto")
+    if query is None:
+        raise ValueError("missing column 'query'")
+    return Request(query=query, tools=_tools_of(raw_tools))
+
+
 def table_answer(predictor: Any, model_input: Any, constrained: bool) -> Any:
-    """One ``{"calls", "error"}`` row per input row, as a DataFrame."""
+    """One ``{"calls", "content", "error"}`` row per input row, as a DataFrame."""
     import pandas as pd
 
     if isinstance(model_input, pd.DataFrame):
@@ -104,29 +132,26 @@ def table_answer(predictor: Any, model_input: Any, constrained: bool) -> Any:
         records = [r if isinstance(r, dict) else {} for r in model_input]
     else:
         records = []
-    results: list[dict[str, Any]] = [{"calls": None, "error": None} for _ in records]
+    results: list[dict[str, Any]] = [{"calls": None, "content": None, "error": None} for _ in records]
     requests, where = [], []
     for i, rec in enumerate(records):
         try:
-            query = _cell(rec, "query")
-            if query is None:
-                raise ValueError("missing column 'query'")
-            raw_tools = _cell(rec, "tools")
-            if raw_tools is None:
-                raise ValueError("missing column 'tools'")
-            requests.append((query, _tools_of(raw_tools)))
+            requests.append(_table_request(rec))
             where.append(i)
         except ValueError as exc:
             results[i]["error"] = str(exc)
     for i, pred in zip(where, _predict(predictor, requests, constrained)):
-        if isinstance(pred, dict):
+        if isinstance(pred, dict) and "error" in pred:
             results[i]["error"] = pred["error"]
+        elif isinstance(pred, dict):
+            results[i]["calls"], results[i]["content"] = "[]", pred["content"]
         else:
             results[i]["calls"] = compact_json(pred)
-    return pd.DataFrame(results, columns=["calls", "error"], dtype=object)  # None stays None (null), not NaN
+    # dtype object: None stays None (null), not NaN
+    return pd.DataFrame(results, columns=["calls", "content", "error"], dtype=object)
 
 
-def _predict(predictor: Any, requests: list[tuple[Any, Any]], constrained: bool) -> list[Any]:
+def _predict(predictor: Any, requests: list[Request], constrained: bool) -> list[Any]:
     if not requests:
         return []
     try:
@@ -140,63 +165,61 @@ def chat_error(message: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
 
 
-def _user_query(messages: Any) -> str:
-    if hasattr(messages, "tolist"):
-        messages = messages.tolist()
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if not users:
-        raise ValueError("messages has no user turn")
-    content = users[-1].get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    if not isinstance(content, str) or not content.strip():
-        raise ValueError("the user turn has no text content")
-    return content
-
-
-def _chosen(tools: list[Any], choice: Any) -> list[Any]:
-    """The tools ``tool_choice`` leaves: all (``auto``, ``required``, absent), none, or the named one."""
-    if choice is None or choice in ("auto", "required"):
-        return tools
-    if choice == "none":
-        return []
+def _choice(choice: Any, tools: list[Any]) -> tuple[str, str | None]:
+    """``(mode, only)`` of ``tool_choice`` (module doc)."""
+    if choice is None or choice == "auto":
+        return "auto", None
+    if choice in ("none", "required"):
+        if choice == "required" and not tools:
+            raise ValueError("tool_choice is 'required' but no tools are offered")
+        return choice, None
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str):
         raise ValueError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
                          "\"function\": {\"name\": ...}}")
-    named = [t for t in tools if isinstance(t, dict) and t.get("name") == name]
-    if not named:
+    if not any(isinstance(t, dict) and t.get("name") == name for t in tools):
         raise ValueError(f"tool_choice names {name!r}, which is not among the offered tools")
-    return named
+    return "required", name
+
+
+def chat_request(body: dict[str, Any]) -> Request:
+    """The predictor's request for a chat body; ValueError saying what is wrong with it."""
+    messages = body.get(CHAT_KEY)
+    if hasattr(messages, "tolist"):
+        messages = messages.tolist()
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    tools = _tools_of(body.get("tools") if body.get("tools") is not None else [])
+    mode, only = _choice(body.get("tool_choice"), tools)
+    return Request(messages=messages, tools=tools, mode=mode, only=only)
 
 
 def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_name: str) -> dict[str, Any]:
-    """An OpenAI ``chat.completion`` with ``tool_calls`` for one chat body (or an error object)."""
+    """An OpenAI ``chat.completion`` (tool calls or text) for one chat body, or an error object."""
     try:
-        query = _user_query(body.get(CHAT_KEY))
-        tools = _tools_of(body.get("tools") if body.get("tools") is not None else [])
-        tools = _chosen(tools, body.get("tool_choice"))
+        request = chat_request(body)
         constrained = _flag(body.get("constrained"), constrained)
     except ValueError as exc:
         return chat_error(str(exc))
-    pred = _predict(predictor, [(query, tools)], constrained)[0]
-    if isinstance(pred, dict):
+    pred = _predict(predictor, [request], constrained)[0]
+    if isinstance(pred, dict) and "error" in pred:
         return chat_error(pred["error"])
-    calls = [
-        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-         "function": {"name": c["name"], "arguments": compact_json(c["arguments"])}}
-        for c in pred
-    ]  # fmt: skip
-    message: dict[str, Any] = {"role": "assistant", "content": None if calls else "", "refusal": None}
-    if calls:
-        message["tool_calls"] = calls
+    message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
+    if isinstance(pred, dict):
+        message["content"] = pred["content"]
+        finish = "stop" if pred.get("finished", True) else "length"
+    else:
+        message["tool_calls"] = [
+            {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c["name"], "arguments": compact_json(c["arguments"])}}
+            for c in pred
+        ]  # fmt: skip
+        finish = "tool_calls" if pred else "stop"
+        message["content"] = None if pred else ""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": str(body.get("model") or model_name),
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": "tool_calls" if calls else "stop"}],  # fmt: skip
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
     }

@@ -91,7 +91,7 @@ def test_mlflow_models_serve_answers_both_shapes_and_survives_bad_requests(champ
 
         # A chat body that passes the signature but cannot be served: an OpenAI error object.
         status, out = _post(f"{base}/invocations", {"messages": [{"role": "system", "content": "x"}]})
-        assert status == 200 and out["error"]["message"] == "messages has no user turn"  # type: ignore[index]
+        assert status == 200 and "must end with a user message" in out["error"]["message"]  # type: ignore[index]
         # Bodies MLflow itself refuses (not JSON, messages not a list): 400, and the server lives on.
         status, _ = _post(f"{base}/invocations", b"{not json")
         assert status == 400
@@ -175,8 +175,28 @@ def test_openai_client_talks_to_needle_serve(champion: dict) -> None:
                                            tool_choice={"type": "function", "function": {"name": "nope"}})
         with pytest.raises(openai.BadRequestError, match="stream is not supported"):
             client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS, stream=True)
-        with pytest.raises(openai.BadRequestError, match="no user turn"):
+        with pytest.raises(openai.BadRequestError, match="must end with a user message"):
             client.chat.completions.create(model="needle", messages=[{"role": "system", "content": "x"}])
+        # The whole conversation: the call the model made and its result are in the prompt; the
+        # reply calls again or answers in words. A bad conversation is a 400; the next good one works.
+        first = calls[0] if calls else None
+        if first is None:
+            first = client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS,
+                                                   tool_choice="required").choices[0].message.tool_calls[0]
+        turn = {"role": "assistant", "content": None, "tool_calls": [first.model_dump()]}
+        result = {"role": "tool", "tool_call_id": first.id, "content": "sent"}
+        with pytest.raises(openai.BadRequestError, match="answers no earlier call"):
+            client.chat.completions.create(model="needle", messages=[*messages, turn, {**result, "tool_call_id": "x"}],
+                                           tools=OPENAI_TOOLS)  # fmt: skip
+        after = client.chat.completions.create(model="needle", messages=[*messages, turn, result], tools=OPENAI_TOOLS)
+        choice = after.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+        words = client.chat.completions.create(model="needle", messages=[*messages, turn, result], tools=OPENAI_TOOLS,
+                                               tool_choice="none").choices[0]  # fmt: skip
+        assert words.message.tool_calls is None and words.message.content and words.finish_reason in ("stop", "length")
         status, out = _post(f"{base}/v1/chat/completions", b"{not json")
         assert status == 400 and "not JSON" in out["error"]["message"]  # type: ignore[index]
 

@@ -6,6 +6,7 @@ import json
 
 import pandas as pd
 
+from needle.serve.prompt import Request
 from needle.serve.requests import answer
 
 TOOL = {"name": "send_message", "parameters": {"type": "object", "properties": {"contact": {"type": "string"}}}}
@@ -25,11 +26,11 @@ def test_table_rows_get_calls_or_their_own_error() -> None:
     fake = FakePredictor([CALL])
     df = pd.DataFrame({"query": ["text Bob", "x", None], "tools": [json.dumps([TOOL]), "{bad", "[]"]})
     out = answer(fake, df, {})
-    assert list(out.columns) == ["calls", "error"]
+    assert list(out.columns) == ["calls", "content", "error"]
     assert json.loads(out["calls"][0]) == [CALL] and out["error"][0] is None
     assert out["calls"][1] is None and out["error"][1].startswith("tools is not valid JSON")
     assert out["error"][2] == "missing column 'query'"
-    assert fake.seen == [([("text Bob", [TOOL])], True)]  # only the good row reaches the model
+    assert fake.seen == [([Request(query="text Bob", tools=[TOOL])], True)]  # only the good row reaches the model
     answer(fake, df.iloc[:1], {"constrained": False})
     assert fake.seen[-1][1] is False
 
@@ -39,7 +40,8 @@ def test_openai_chat_body_answers_tool_calls() -> None:
     body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "text Bob"}],
             "tools": [{"type": "function", "function": {**TOOL, "strict": True}}]}  # fmt: skip
     out = answer(fake, body, {})
-    assert fake.seen[0][0] == [("text Bob", [TOOL])]
+    # The whole conversation goes to the model (system turn included), calls or text allowed.
+    assert fake.seen[0][0] == [Request(messages=body["messages"], tools=[TOOL], mode="auto")]
     choice = out["choices"][0]
     assert out["object"] == "chat.completion" and choice["finish_reason"] == "tool_calls"
     call = choice["message"]["tool_calls"][0]
@@ -56,6 +58,49 @@ def test_chat_without_calls_and_bad_chat_bodies() -> None:
     failing = FakePredictor({"error": "prompt has 900 tokens", "raw": ""})
     out = answer(failing, {"messages": [{"role": "user", "content": "hi"}], "tools": []}, {})
     assert out["error"]["type"] == "invalid_request_error" and "900" in out["error"]["message"]
+
+
+CONVERSATION = [
+    {"role": "user", "content": "text Bob"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                          "function": {"name": "send_message", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sent"},
+]  # fmt: skip
+
+
+def test_chat_answers_in_text_and_tool_choice_sets_the_mode() -> None:
+    text = FakePredictor({"content": "Done, Bob has it.", "finished": True})
+    body = {"messages": CONVERSATION, "tools": [TOOL]}
+    out = answer(text, body, {})
+    choice = out["choices"][0]
+    assert choice["message"]["content"] == "Done, Bob has it." and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    cut = FakePredictor({"content": "Done, B", "finished": False})
+    assert answer(cut, body, {})["choices"][0]["finish_reason"] == "length"
+    for choice_, mode, only in (("auto", "auto", None), ("none", "none", None), ("required", "required", None),
+                                ({"type": "function", "function": {"name": "send_message"}}, "required", "send_message")):
+        answer(text, {**body, "tool_choice": choice_}, {})
+        assert text.seen[-1][0] == [Request(messages=CONVERSATION, tools=[TOOL], mode=mode, only=only)]
+    seen = len(text.seen)
+    assert "no tools" in answer(text, {"messages": CONVERSATION, "tool_choice": "required"}, {})["error"]["message"]
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    assert "'nope', which is not among the offered tools" in answer(text, named, {})["error"]["message"]
+    assert len(text.seen) == seen  # refused before the model
+
+
+def test_table_rows_may_be_conversations() -> None:
+    fake = FakePredictor({"content": "Sent.", "finished": True})
+    df = pd.DataFrame({"query": [None, "text Bob"], "messages": [CONVERSATION, None], "tools": [[TOOL], [TOOL]]})
+    out = answer(fake, df, {})  # a table, not a chat body: it has a query column
+    assert fake.seen[0][0] == [Request(messages=CONVERSATION, tools=[TOOL], mode="auto"),
+                               Request(query="text Bob", tools=[TOOL])]  # fmt: skip
+    assert out["calls"].tolist() == ["[]", "[]"] and out["content"].tolist() == ["Sent.", "Sent."]
+    one = answer(fake, df.iloc[:1], {})
+    assert list(one.columns) == ["calls", "content", "error"]  # one row with a query column is a table
+    both = answer(fake, pd.DataFrame({"query": ["x"], "messages": [CONVERSATION], "tools": [[TOOL]]}), {})
+    assert both["error"][0] == "a row has either 'query' or 'messages', not both"
+    chat = answer(fake, pd.DataFrame([{"messages": CONVERSATION, "tools": [TOOL]}]), {})
+    assert chat["object"] == "chat.completion"  # as MLflow hands a chat body over
 
 
 def test_concurrent_callers_share_one_decode(monkeypatch, tiny_model_dir) -> None:

@@ -1,0 +1,81 @@
+"""The prompt of a served conversation, rendered exactly as training renders it.
+
+A chat request holds the conversation so far (OpenAI messages: system, user, assistant turns
+with ``tool_calls``, ``tool`` results) and asks for the next assistant turn. The conversation is
+validated as a data row's (needle/data/conversation.py: roles in order, calls on offered tools
+with schema-valid arguments, every result answering an earlier call, every call answered), with
+a placeholder assistant turn appended; the model's own format then encodes it as training does
+(``encode_conversation``: needle's template, a model's Jinja template, Needle 3's turns, each
+segment tokenized on its own), and the prompt is every id before that last turn: the
+conversation so far plus the start of the next assistant turn (``<|assistant|>``,
+``<|im_start|>assistant\\n``, the template's generation prompt).
+
+    Request(messages=body["messages"], tools=tools, mode="auto")
+    row = conversation_row(body["messages"], tools)     # ValueError naming the message
+    ids = conversation_prompt(fmt, row, tok)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from needle.data.schema import Row, parse_row
+from needle.tokenizer_base import TokenizerLike
+
+PLACEHOLDER = {"role": "assistant", "content": None, "tool_calls": []}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request to the served model (needle/serve/engine.py): a ``query`` or the conversation so
+    far (``messages``), its tools, the grammar's ``mode`` (needle/eval/constrain.py ``MODES``) and,
+    for a named ``tool_choice``, the ``only`` tool it may call."""
+
+    query: Any = None
+    tools: Any = None
+    messages: Any = None
+    mode: str = "calls"
+    only: str | None = None
+
+
+def conversation_row(messages: Any, tools: Any, source: str = "request") -> Row:
+    """The validated row of the conversation so far plus :data:`PLACEHOLDER`; ValueError saying why not.
+
+    OpenAI's ``developer`` role is read as ``system``. The conversation must end with a user
+    message or tool results: the model writes the assistant turn that follows.
+    """
+    if hasattr(messages, "tolist"):  # a numpy array from a DataFrame cell
+        messages = messages.tolist()
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    msgs = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
+    last = msgs[-1].get("role") if isinstance(msgs[-1], dict) else None
+    if last == "assistant" and msgs[-1].get("tool_calls"):
+        raise ValueError(f"messages[{len(msgs) - 1}] (assistant) calls tools whose results are missing: send a "
+                         "tool message per call id, then the model answers")  # fmt: skip
+    if last not in ("user", "tool"):
+        raise ValueError(f"messages[{len(msgs) - 1}] ({last}): the conversation must end with a user message or "
+                         "tool results (the model writes the assistant turn that follows)")  # fmt: skip
+    try:
+        return parse_row({"messages": [*msgs, PLACEHOLDER], "tools": tools}, source)
+    except ValueError as exc:
+        raise ValueError(f"invalid conversation: {exc}") from None
+
+
+def conversation_prompt(fmt: Any, row: Row, tok: TokenizerLike) -> list[int]:
+    """The ids before the last assistant turn of ``row`` as ``fmt.encode_conversation`` encodes it."""
+    encode = getattr(fmt, "encode_conversation", None)
+    if encode is None:
+        raise ValueError(f"{fmt!r} cannot render conversations")
+    ex = encode(row, tok, sys.maxsize, loss_on="last_assistant")
+    end = len(ex.loss_mask)
+    while end and not ex.loss_mask[end - 1]:
+        end -= 1
+    start = end
+    while start and ex.loss_mask[start - 1]:
+        start -= 1
+    if start == end:
+        raise ValueError(f"{fmt!r}: the conversation's last assistant turn encodes to no tokens")
+    return list(ex.ids[:start])
