@@ -21,7 +21,9 @@ server has only ``/invocations``:
   libraries raise ``BadRequestError``); the server keeps serving.
 - ``GET /v1/models``: the one model, so ``client.models.list()`` works.
 
-``stream: true`` and ``n > 1`` are refused with 400 (one constrained decode per request).
+``stream: true`` answers OpenAI's server-sent event chunks of the same reply
+(needle/serve/stream.py; an error is still a 400 with the error object); ``n > 1`` is refused with
+400 (one constrained decode per request).
 FastAPI is imported at module level because the route handlers' annotations name its types.
 """
 
@@ -35,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from needle.errors import UsageError
 from needle.serve.requests import chat_error as _error
+from needle.serve.stream import chunks, sse_events
 
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
@@ -50,8 +53,6 @@ def refusal(body: Any) -> dict[str, Any] | None:
         return _error(f"the request body must be a JSON object, got {type(body).__name__}")
     if "messages" not in body:
         return _error("'messages' is a required property", "messages")
-    if body.get("stream"):
-        return _error("stream is not supported: send the request without 'stream'", "stream")
     n = body.get("n")
     if n not in (None, 1):
         return _error("only n=1 is supported", "n")
@@ -86,7 +87,7 @@ def build_app(model: Any) -> Any:
     name = str(getattr(caller, "name", None) or "needle")
     created = int(time.time())
 
-    async def chat_completions(request: Request) -> JSONResponse:
+    async def chat_completions(request: Request) -> Response:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -97,7 +98,12 @@ def build_app(model: Any) -> Any:
         # The pyfunc's own predict (the chat shape of needle.serve.requests); a thread, so that
         # concurrent requests meet in the predictor's batch.
         answer = await asyncio.to_thread(caller.predict, None, body, {})
-        return JSONResponse(answer, status_code=400 if "error" in answer else 200)
+        if "error" in answer:
+            return JSONResponse(answer, status_code=400)
+        if body.get("stream"):
+            return StreamingResponse(sse_events(chunks(answer)), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return JSONResponse(answer)
 
     async def list_models() -> JSONResponse:
         return JSONResponse({"object": "list",

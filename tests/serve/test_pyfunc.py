@@ -156,6 +156,7 @@ def test_openai_client_talks_to_needle_serve(champion: dict) -> None:
         choice = reply.choices[0]
         calls = choice.message.tool_calls or []
         assert choice.finish_reason == ("tool_calls" if calls else "stop")
+        choice_of_first = choice.finish_reason
         schema = EXAMPLE_TOOLS[0]["parameters"]
         for call in calls:  # constrained: only the offered tool, arguments valid under its schema
             assert call.type == "function" and call.function.name == "send_message"
@@ -173,8 +174,6 @@ def test_openai_client_talks_to_needle_serve(champion: dict) -> None:
         with pytest.raises(openai.BadRequestError, match="'nope', which is not among the offered tools"):
             client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS,
                                            tool_choice={"type": "function", "function": {"name": "nope"}})
-        with pytest.raises(openai.BadRequestError, match="stream is not supported"):
-            client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS, stream=True)
         with pytest.raises(openai.BadRequestError, match="must end with a user message"):
             client.chat.completions.create(model="needle", messages=[{"role": "system", "content": "x"}])
         # The whole conversation: the call the model made and its result are in the prompt; the
@@ -197,6 +196,19 @@ def test_openai_client_talks_to_needle_serve(champion: dict) -> None:
         words = client.chat.completions.create(model="needle", messages=[*messages, turn, result], tools=OPENAI_TOOLS,
                                                tool_choice="none").choices[0]  # fmt: skip
         assert words.message.tool_calls is None and words.message.content and words.finish_reason in ("stop", "length")
+
+        # stream=True: the client's streaming API reassembles the same replies (greedy decoding).
+        streamed = _reassemble(client.chat.completions.create(model="needle", messages=messages, tools=OPENAI_TOOLS,
+                                                              stream=True))  # fmt: skip
+        assert streamed["calls"] == [(c.function.name, c.function.arguments) for c in calls]
+        assert streamed["finish_reason"] == choice_of_first and all(i.startswith("call_") for i in streamed["ids"])
+        streamed = _reassemble(client.chat.completions.create(model="needle", messages=[*messages, turn, result],
+                                                              tools=OPENAI_TOOLS, tool_choice="none", stream=True))
+        assert streamed["content"] == words.message.content and streamed["calls"] == []
+        assert streamed["finish_reason"] == words.finish_reason
+        with pytest.raises(openai.BadRequestError, match="answers no earlier call"):  # errors stay a 400
+            client.chat.completions.create(model="needle", messages=[*messages, turn, {**result, "tool_call_id": "x"}],
+                                           tools=OPENAI_TOOLS, stream=True)  # fmt: skip
         status, out = _post(f"{base}/v1/chat/completions", b"{not json")
         assert status == 400 and "not JSON" in out["error"]["message"]  # type: ignore[index]
 
@@ -207,6 +219,24 @@ def test_openai_client_talks_to_needle_serve(champion: dict) -> None:
     finally:
         _stop_group(server)
         log.close()
+
+
+def _reassemble(stream) -> dict:
+    """Content, (name, arguments) per call, call ids and finish_reason of a chat.completion.chunk stream."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += part.id or ""
+            call["name"] += (part.function.name or "") if part.function else ""
+            call["arguments"] += (part.function.arguments or "") if part.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    ordered = [calls[i] for i in sorted(calls)]
+    return {"content": content, "calls": [(c["name"], c["arguments"]) for c in ordered],
+            "ids": [c["id"] for c in ordered], "finish_reason": finish}  # fmt: skip
 
 
 def test_serve_refuses_a_location_that_is_no_model(tmp_path: Path) -> None:

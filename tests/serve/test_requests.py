@@ -103,6 +103,32 @@ def test_table_rows_may_be_conversations() -> None:
     assert chat["object"] == "chat.completion"  # as MLflow hands a chat body over
 
 
+def test_stream_chunks_reassemble_to_the_reply() -> None:
+    from needle.serve.stream import chunks, sse_events
+
+    for reply in ({"content": "It is sunny  in Oslo, 21 °C.", "finished": True}, [CALL, {**CALL, "arguments": {"contact": "Al"}}]):
+        out = answer(FakePredictor(reply), {"messages": CONVERSATION, "tools": [TOOL]}, {})
+        parts = list(chunks(out))
+        assert all(p["object"] == "chat.completion.chunk" and p["id"] == out["id"] for p in parts)
+        deltas = [p["choices"][0]["delta"] for p in parts]
+        assert deltas[0]["role"] == "assistant" and deltas[-1] == {}
+        assert [p["choices"][0]["finish_reason"] for p in parts] == [None] * (len(parts) - 1) + \
+            [out["choices"][0]["finish_reason"]]  # fmt: skip
+        message = out["choices"][0]["message"]
+        assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
+        calls: dict = {}
+        for d in deltas:
+            for part in d.get("tool_calls", []):
+                c = calls.setdefault(part["index"], {"id": part.get("id"), "type": part.get("type"),
+                                                      "function": {"name": "", "arguments": ""}})
+                for key in ("name", "arguments"):
+                    c["function"][key] += part.get("function", {}).get(key, "")
+        assert [calls[i] for i in sorted(calls)] == message.get("tool_calls", [])
+        events = list(sse_events(iter(parts)))
+        assert events[-1] == "data: [DONE]\n\n" and all(e.startswith("data: {") for e in events[:-1])
+        assert [json.loads(e[len("data: "):]) for e in events[:-1]] == parts
+
+
 def test_concurrent_callers_share_one_decode(monkeypatch, tiny_model_dir) -> None:
     import threading
 
