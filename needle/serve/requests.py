@@ -184,13 +184,11 @@ def _choice(choice: Any, tools: list[Any]) -> tuple[str, str | None]:
 
 def chat_request(body: dict[str, Any]) -> Request:
     """The predictor's request for a chat body; ValueError saying what is wrong with it."""
-    messages = body.get(CHAT_KEY)
-    if hasattr(messages, "tolist"):
-        messages = messages.tolist()
+    messages = _cell(body, CHAT_KEY)  # _cell: a numpy array as a list, a NaN (MLflow's empty cell) as None
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    tools = _tools_of(body.get("tools") if body.get("tools") is not None else [])
-    mode, only = _choice(body.get("tool_choice"), tools)
+    tools = _tools_of(_cell(body, "tools") if _cell(body, "tools") is not None else [])
+    mode, only = _choice(_cell(body, "tool_choice"), tools)
     return Request(messages=messages, tools=tools, mode=mode, only=only)
 
 

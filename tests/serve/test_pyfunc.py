@@ -89,6 +89,22 @@ def test_mlflow_models_serve_answers_both_shapes_and_survives_bad_requests(champ
             json.loads(call["function"]["arguments"])
         assert choice["finish_reason"] in ("tool_calls", "stop")
 
+        # A conversation with a call and its result passes MLflow's signature, tool_choice included
+        # ("none": an answer in words), as a chat body and as a table row beside a query row.
+        turn = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "send_message",
+                                                          "arguments": '{"contact": "Bob", "text": "hi"}'}}]}  # fmt: skip
+        conversation = [*chat["messages"], turn, {"role": "tool", "tool_call_id": "c1", "content": "sent"}]
+        status, out = _post(f"{base}/invocations", {**chat, "messages": conversation, "tool_choice": "none"})
+        assert status == 200 and out["choices"][0]["finish_reason"] in ("stop", "length"), out  # type: ignore[index]
+        assert "tool_calls" not in out["choices"][0]["message"] and out["choices"][0]["message"]["content"]  # type: ignore[index]
+        rows = [{"query": None, "messages": conversation, "tools": json.dumps(EXAMPLE_TOOLS)},
+                {"query": "Text Bob hi", "messages": None, "tools": json.dumps(EXAMPLE_TOOLS)}]  # fmt: skip
+        status, out = _post(f"{base}/invocations", {"dataframe_records": rows})
+        assert status == 200, out
+        for row in out["predictions"]:  # type: ignore[index]
+            assert row["error"] is None and isinstance(json.loads(row["calls"]), list), row
+
         # A chat body that passes the signature but cannot be served: an OpenAI error object.
         status, out = _post(f"{base}/invocations", {"messages": [{"role": "system", "content": "x"}]})
         assert status == 200 and "must end with a user message" in out["error"]["message"]  # type: ignore[index]
