@@ -18,6 +18,7 @@ from flows.paths import state_dir, tracking_uri
 from needle import cli as needle_cli
 from needle.config import preset_names
 from needle.errors import UsageError
+from needle.eval.report import before_after, format_table
 from needle.tracking import redact_uri
 
 
@@ -144,6 +145,9 @@ def _print_result(result: dict[str, Any], ui_link: Any) -> None:
         version = mv.get("version")
         print(f"Tuned model: {result['model_dir']}" + (f"  (registered: models:/needle/{version}, alias "
                                                        f"{mv.get('alias')})" if version else ""))
+        if result.get("comparison"):
+            print("\nBase vs tuned on the test split (free and constrained decoding):")
+            print(format_table(before_after(result["comparison"])))
         print(f"Decision: {result.get('decision')}")
     if not uri.startswith("http"):
         print(f"Browse it: mlflow ui --backend-store-uri {uri}  then open "

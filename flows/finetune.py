@@ -98,6 +98,7 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
                                           "gate_overlap_rows": overlap,  # the version names its exports
                                           **{f"export.{fmt}": f"runs:/{run.run_id}/export/{fmt}" for fmt in exports}})  # fmt: skip
     return {"hw": hw, "metrics": {"train_loss": tuned.train_loss, "val_loss": tuned.val_loss, **metrics},
+            "comparison": report.comparison,  # base vs tuned: the table `needle finetune` prints
             "model_version": version, "model_dir": tuned.model_dir, "data_fingerprint": prepared.fingerprint,
             "prepared_dir": str(prepared.directory), "base": base_model.record or {"model_dir": base_model.model_dir},
             "decision": outcome.decision.label, "gate_fingerprint": outcome.fingerprint, **inputs}

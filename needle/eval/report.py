@@ -7,10 +7,12 @@ A comparison lists the ``constrained_*`` metrics beside the free ones (needle/ev
 ``compare(before, after)`` lines up the numeric metrics of a base and a tuned model, and
 ``loggable_metrics`` gives the numeric ones for ``Tracker.log_metrics`` (None dropped), and
 ``format_table`` renders either a metrics dict or a comparison as a plain pipe table that reads
-well in a terminal and pastes into a Markdown README.
+well in a terminal and pastes into a Markdown README. ``side_by_side`` sets one model's free and
+constrained metrics in two columns (`needle evaluate`); ``before_after`` does it for base and
+tuned of a comparison (what `needle finetune` prints at the end).
 
-    from needle.eval.report import compare, format_table
-    print(format_table(compare(base_result, tuned_result)))
+    from needle.eval.report import before_after, compare, format_table
+    print(format_table(before_after(compare(base_result, tuned_result))))
 """
 
 from __future__ import annotations
@@ -125,3 +127,33 @@ def format_table(table: Mapping[str, Any], *, columns: Sequence[str] | None = No
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def side_by_side(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``{metric: {"free", "constrained"}}`` when there are ``constrained_*`` metrics, else ``metrics``."""
+    prefix = "constrained_"
+    if not any(k.startswith(prefix) and k != "constrained_skipped" for k in metrics):
+        return {k: v for k, v in metrics.items() if k != "constrained_skipped"}
+    table = {k: {"free": v, "constrained": metrics.get(prefix + k, v if k.startswith("n") else None)}
+             for k, v in metrics.items() if not k.startswith(prefix)}  # fmt: skip
+    for k, v in metrics.items():
+        if k.startswith(prefix) and k[len(prefix):] not in table and isinstance(v, (int, float)):
+            table[k[len(prefix):]] = {"free": None, "constrained": v}
+    return table
+
+
+def before_after(comparison: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A comparison (``compare``) as ``{metric: {"base", "tuned", "base constrained", "tuned constrained"}}``:
+    each side through ``side_by_side``; without constrained metrics, ``{metric: {"base", "tuned"}}``."""
+    sides = {side: side_by_side({k: row.get(side) for k, row in comparison.items()}) for side in ("base", "tuned")}
+    table: dict[str, dict[str, Any]] = {}
+    for side, metrics in sides.items():
+        for key, value in metrics.items():
+            row = table.setdefault(key, {})
+            if isinstance(value, Mapping):
+                row[side] = value.get("free")
+                row[f"{side} constrained"] = value.get("constrained")
+            else:
+                row[side] = value
+    order = ("base", "tuned", "base constrained", "tuned constrained")
+    return {k: {c: row.get(c) for c in order if any(c in r for r in table.values())} for k, row in table.items()}

@@ -28,7 +28,7 @@ from needle.data.render import compact_json
 from needle.data.schema import loads_bounded
 from needle.errors import NeedleError
 from needle.eval.evaluate import evaluate_model, resolve_model
-from needle.eval.report import format_table, write_report
+from needle.eval.report import format_table, side_by_side, write_report
 from needle.model.io import LoadedModel
 from needle.registry import is_registry_uri
 from needle.serve.engine import Prediction, Predictor, checked_tools
@@ -122,16 +122,3 @@ def run_evaluate_cli(model_dir: str, data_source: str, out_dir: str | None, max_
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
-
-
-def side_by_side(metrics: dict[str, Any]) -> dict[str, Any]:
-    """``{metric: {"free", "constrained"}}`` when there are ``constrained_*`` metrics, else ``metrics``."""
-    prefix = "constrained_"
-    if not any(k.startswith(prefix) and k != "constrained_skipped" for k in metrics):
-        return {k: v for k, v in metrics.items() if k != "constrained_skipped"}
-    table = {k: {"free": v, "constrained": metrics.get(prefix + k, v if k.startswith("n") else None)}
-             for k, v in metrics.items() if not k.startswith(prefix)}  # fmt: skip
-    for k, v in metrics.items():
-        if k.startswith(prefix) and k[len(prefix):] not in table and isinstance(v, (int, float)):
-            table[k[len(prefix):]] = {"free": None, "constrained": v}
-    return table

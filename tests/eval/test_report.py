@@ -52,3 +52,20 @@ def test_compare_and_table() -> None:
 def test_loggable_metrics_drops_undefined_values() -> None:
     logged = loggable_metrics(_result(0.5, None))
     assert logged == {"n": 2.0, "exact_match": 0.5, "wall_s": 2.0, "tokens_per_s": 100.0, "rows_per_s": 1.0}
+
+
+def test_before_after_sets_base_and_tuned_free_and_constrained_side_by_side() -> None:
+    from needle.eval.report import before_after
+
+    base = EvalResult(metrics={"n": 2, "exact_match": 0.25, "constrained_exact_match": 0.5,
+                               "constrained_skipped": None}, examples=[], wall_s=2.0, tokens_per_s=10.0, rows_per_s=1.0)
+    tuned = EvalResult(metrics={"n": 2, "exact_match": 0.75, "constrained_exact_match": 1.0,
+                                "constrained_skipped": None}, examples=[], wall_s=1.0, tokens_per_s=20.0, rows_per_s=2.0)
+    table = before_after(compare(base, tuned))
+    assert table["exact_match"] == {"base": 0.25, "tuned": 0.75, "base constrained": 0.5, "tuned constrained": 1.0}
+    assert table["n"]["tuned constrained"] == 2 and "constrained_exact_match" not in table
+    header = format_table(table).splitlines()[0]
+    assert [c.strip() for c in header.split("|")[1:-1]] == ["metric", "base", "tuned", "base constrained",
+                                                            "tuned constrained"]
+    free_only = before_after(compare(_result(0.25, None), _result(0.75, 1.0)))
+    assert free_only["exact_match"] == {"base": 0.25, "tuned": 0.75}
