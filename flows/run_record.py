@@ -254,10 +254,25 @@ def log_dataset(run_id: str, prepared: Any, source: str, client: Any) -> str:
         # The token-id list columns defeat MLflow's schema inference; the text columns describe it.
         table = prepared.splits[split].select_columns(["query", "tools", "answers", "length", "source"])
         ds = mlflow.data.from_huggingface(table, name=f"{Path(source).stem}-{split}", digest=prepared.fingerprint[:20])
+        ds.schema = dataset_schema(table.features)  # declared, not inferred: no integer-column hint per split
         tags = [InputTag("mlflow.data.context", split), InputTag("fingerprint", prepared.fingerprint),
                 InputTag("source", source)]
         client.log_inputs(run_id, [DatasetInput(ds._to_mlflow_entity(), tags=tags)])
     return prepared.fingerprint
+
+
+def dataset_schema(features: Any) -> Any:
+    """The MLflow schema of a Hugging Face table's scalar columns, from its declared features.
+
+    MLflow infers a dataset's schema from its rows and then warns about every integer column (it
+    could not hold a missing value); the prepared splits declare their types, and ``length`` is
+    never missing, so the schema is read from the features instead.
+    """
+    from mlflow.types.schema import ColSpec, Schema
+
+    types = {"string": "string", "large_string": "string", "bool": "boolean", "int8": "integer",
+             "int16": "integer", "int32": "integer", "int64": "long", "float32": "float", "float64": "double"}
+    return Schema([ColSpec(types[f.dtype], name) for name, f in features.items()])
 
 
 def plot_losses(histories: dict[str, list[dict[str, Any]]], path: Path) -> Path:

@@ -120,3 +120,32 @@ def test_log_artifact_file_and_dir(mlflow_run: tuple[str, str], tmp_path: Path) 
     names = {f.path for f in tracker.client.list_artifacts(run_id)}
     assert names == {"model", "report.json"}
     assert [f.path for f in tracker.client.list_artifacts(run_id, "model")] == ["model/config.json"]
+
+
+def test_dataset_inputs_are_logged_with_their_declared_schema_and_no_warning(tmp_path: Path) -> None:
+    """MLflow infers a dataset's schema from rows and warns about each integer column; the
+    prepared splits' schema comes from their features (``length`` an integer, no hint printed)."""
+    import json
+    import warnings
+    from types import SimpleNamespace
+
+    import datasets
+    from mlflow.tracking import MlflowClient
+
+    from flows.run_record import log_dataset
+
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "length": datasets.Value("int32"),
+                                  **{k: datasets.Value("string") for k in ("query", "tools", "answers", "source")}})
+    table = datasets.Dataset.from_dict({"ids": [[1, 2]], "length": [2], "query": ["q"], "tools": ["[]"],
+                                        "answers": ["[]"], "source": ["s"]}, features=features)  # fmt: skip
+    prepared = SimpleNamespace(splits={"train": table, "val": table, "test": table}, fingerprint="f" * 64)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("d", artifact_location=(tmp_path / "a").as_uri()))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        log_dataset(run.info.run_id, prepared, "data/new.jsonl", client)
+    assert [str(w.message)[:80] for w in seen if issubclass(w.category, (UserWarning, FutureWarning))] == []
+    inputs = client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert len(inputs) == 3
+    schema = json.loads(inputs[0].dataset.schema)["mlflow_colspec"]
+    assert {"type": "integer", "name": "length", "required": True} in schema

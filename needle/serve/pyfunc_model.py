@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlflow.pyfunc
+import pandas as pd
 from mlflow.models import set_model
 
 
@@ -25,7 +26,13 @@ class NeedleToolCaller(mlflow.pyfunc.PythonModel):
         self.predictor = Predictor(load_model(context.artifacts["model"]))
         self.name = str(self.predictor.loaded.meta.get("name") or "needle")
 
-    def predict(self, context, model_input, params=None):  # no type hints: MLflow would read them as a schema
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> Any:
+        """``model_input``: the table (MLflow builds it from the request with the logged signature).
+
+        ``pd.DataFrame`` is the hint MLflow reads as "no schema from the hints": the explicit
+        signature (needle.serve.pyfunc.signature) stays the one that validates requests, and the
+        input reaches ``answer`` as MLflow passes it (a dict too, called directly).
+        """
         from needle.serve.requests import answer
 
         return answer(self.predictor, model_input, params or {}, model_name=self.name)
