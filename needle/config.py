@@ -295,8 +295,9 @@ class EvalConfig(_Strict):
 
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # Tests: seconds to compile and run.
-    "tiny": dict(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=256),
+    # Tests: seconds to compile and run. max_len 320 as small's: the bundled sample fits whole
+    # (`needle finetune data/sample/new.jsonl --preset tiny` refuses no row).
+    "tiny": dict(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=320),
     # CPU default, the main job's model (about 17 minutes for base + LoRA + eval on 2 cores before
     # packing). max_len 320: with the base's tokenizer the longest new-tool row has 279 tokens
     # (15 of 4,000 exceed 256) and rows over max_len are refused, not cut.

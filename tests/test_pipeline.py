@@ -92,3 +92,19 @@ def test_auto_base_is_trained_once_and_replayed(sample_data: dict[str, Path], tm
     assert record["fingerprint"] == first.record["fingerprint"]
     with pytest.raises(ValueError, match="preset"):
         pipeline.obtain_base(first.model_dir, preset="small")
+
+
+@pytest.mark.slow
+def test_the_smallest_preset_takes_the_bundled_sample_whole() -> None:
+    """`needle finetune data/sample/new.jsonl --preset tiny`: with the auto base's tokenizer
+    (trained on data/sample/base.jsonl at the preset's vocabulary) no row of the sample is
+    longer than the preset's max_len, so none is refused."""
+    from needle.config import model_preset
+
+    tiny = model_preset("tiny")
+    base = pipeline.prepare_data(DataConfig(source=str(ROOT / "data/sample/base.jsonl"), max_len=tiny.max_len),
+                                 vocab_size=tiny.vocab_size)  # fmt: skip
+    new = pipeline.prepare_data(DataConfig(source=str(ROOT / "data/sample/new.jsonl"), max_len=tiny.max_len),
+                                tokenizer=base.tokenizer)  # on_error fail: one longer row raises  # fmt: skip
+    assert new.data.stats["dropped"] == 0 and new.data.stats["length"]["max"] <= tiny.max_len
+    assert sum(new.data.stats["rows"].values()) == 4000

@@ -8,7 +8,7 @@ import pytest
 
 from needle.data.schema import Row
 
-VOCAB = 1024  # at 1024 the sample prompts are ~120-160 tokens: they fit the tiny preset's 256
+VOCAB = 1024  # at 1024 the sample prompts are ~120-160 tokens: they fit the tiny preset's 320
 
 
 @pytest.fixture(scope="session")

@@ -85,4 +85,4 @@ def test_prompts_filling_the_context_are_cut_and_counted(
     fake = _script(monkeypatch, loaded.tokenizer, [], [])
     result = evaluate_mod.evaluate_model(loaded, [long, eval_rows[1]], EvalConfig(max_new_tokens=64))
     assert result.metrics["n_prompts_truncated"] == 1
-    assert len(fake.seen[0]) == 256 - 64 and fake.seen[1] == loaded.tokenizer.encode(render_prompt(eval_rows[1]))
+    assert len(fake.seen[0]) == loaded.model_cfg.max_len - 64 and fake.seen[1] == loaded.tokenizer.encode(render_prompt(eval_rows[1]))
