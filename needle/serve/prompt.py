@@ -40,6 +40,21 @@ class Request:
     only: str | None = None
 
 
+def _as_trained(msg: Any) -> Any:
+    """``developer`` read as ``system``; an assistant turn with no text and no calls as ``tool_calls: []``.
+
+    The second is how this server answers "no offered tool fits" (``content: ""``, no calls), so a
+    client that sends its history back gets the empty call list training rendered, not a 400.
+    """
+    if not isinstance(msg, dict):
+        return msg
+    if msg.get("role") == "developer":
+        return {**msg, "role": "system"}
+    if msg.get("role") == "assistant" and not msg.get("tool_calls") and not (msg.get("content") or "").strip():
+        return {**msg, "content": None, "tool_calls": []}
+    return msg
+
+
 def conversation_row(messages: Any, tools: Any, source: str = "request") -> Row:
     """The validated row of the conversation so far plus :data:`PLACEHOLDER`; ValueError saying why not.
 
@@ -50,7 +65,7 @@ def conversation_row(messages: Any, tools: Any, source: str = "request") -> Row:
         messages = messages.tolist()
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    msgs = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages]
+    msgs = [_as_trained(m) for m in messages]
     last = msgs[-1].get("role") if isinstance(msgs[-1], dict) else None
     if last == "assistant" and msgs[-1].get("tool_calls"):
         raise ValueError(f"messages[{len(msgs) - 1}] (assistant) calls tools whose results are missing: send a "

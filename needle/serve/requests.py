@@ -173,7 +173,8 @@ def _choice(choice: Any, tools: list[Any]) -> tuple[str, str | None]:
         if choice == "required" and not tools:
             raise ValueError("tool_choice is 'required' but no tools are offered")
         return choice, None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise ValueError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
                          "\"function\": {\"name\": ...}}")

@@ -85,6 +85,8 @@ def test_chat_answers_in_text_and_tool_choice_sets_the_mode() -> None:
     assert "no tools" in answer(text, {"messages": CONVERSATION, "tool_choice": "required"}, {})["error"]["message"]
     named = {**body, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
     assert "'nope', which is not among the offered tools" in answer(text, named, {})["error"]["message"]
+    for malformed in ({"type": "function", "function": "send_message"}, {"type": "function", "function": None}):
+        assert "tool_choice must be" in answer(text, {**body, "tool_choice": malformed}, {})["error"]["message"]
     assert len(text.seen) == seen  # refused before the model
 
 

@@ -74,6 +74,18 @@ def test_bad_conversations_are_refused_with_the_message(messages, why) -> None:
         conversation_row(messages, TOOLS)
 
 
+def test_the_servers_empty_reply_sent_back_is_the_empty_call_list(predictor: Predictor) -> None:
+    """"No tool fits" is answered as ``content: ""`` without calls; sent back as history it is the
+    ``[]`` answer training renders, not a refused turn."""
+    asked = {"role": "user", "content": "Tell me a joke"}
+    echoed = [asked, {"role": "assistant", "content": ""}, {"role": "user", "content": "Then the weather in Oslo?"}]
+    trained = [asked, {"role": "assistant", "content": None, "tool_calls": []}, echoed[2]]
+    tok, fmt = predictor.tok, NativeFormat()
+    prompt = conversation_prompt(fmt, conversation_row(echoed, TOOLS), tok)
+    assert prompt == conversation_prompt(fmt, conversation_row(trained, TOOLS), tok)
+    assert "<|assistant|><|call|>[]<|end|>" in tok.decode(prompt)
+
+
 def _valid(calls: list, tools: list) -> None:
     by_name = {t["name"]: t for t in tools}
     for call in calls:
