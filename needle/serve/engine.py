@@ -8,6 +8,13 @@ list, a text answer ``{"content": text, "finished": bool}``, or an error object
 query, a bad conversation, a prompt too long for the context, a schema the grammar cannot take)
 gets its error without stopping the others.
 
+The answer's token budget is ``cfg.max_new_tokens`` (96 by default). Without an explicit budget
+from the caller (no ``cfg``, or one that leaves ``max_new_tokens`` at its default), a prompt that
+leaves less than that of the context is still answered, in what is left of it (as OpenAI-style
+servers do; a text answer cut there is ``finished: False``): only a prompt that does not fit the
+context itself is refused. A ``cfg`` that sets ``max_new_tokens`` asks for that budget whole, and
+a prompt that leaves less is refused.
+
 A request is a query (the table shape's single turn) or the conversation so far (OpenAI
 messages, tool results included), whose prompt is rendered as training renders conversations
 (needle/serve/prompt.py). Its ``mode`` is the grammar's (needle/eval/constrain.py ``MODES``):
@@ -73,7 +80,11 @@ class Predictor:
         self.tok = loaded.tokenizer
         self.fmt = format_for(self.tok)
         self.model = module_for(loaded.model_cfg)
-        self.budget = prompt_budget(self.model, self.cfg.max_new_tokens)
+        # The longest prompt served: one that leaves the whole budget when the caller asked for
+        # it, else one that leaves room for a single token (module doc).
+        self.explicit_budget = cfg is not None and "max_new_tokens" in cfg.model_fields_set
+        full = prompt_budget(self.model, self.cfg.max_new_tokens)
+        self.budget = full if self.explicit_budget else self.model.cfg.max_len - 1
         self._constraints: Any = None
         self._constraints_error: str | None = None
         self._cv = threading.Condition()  # guards the queue and the busy flag (module doc)
@@ -124,14 +135,15 @@ class Predictor:
             if len(ids) <= self.budget:
                 fits.append((i, req, ids, m))
             else:
-                out[i] = error(f"prompt has {len(ids)} tokens; at most {self.budget} fit with "
-                               f"max_new_tokens={self.cfg.max_new_tokens}")  # fmt: skip
+                room = (f"with max_new_tokens={self.cfg.max_new_tokens}" if self.explicit_budget
+                        else f"in the model's context of {self.model.cfg.max_len}")
+                out[i] = error(f"prompt has {len(ids)} tokens; at most {self.budget} fit {room}")
         if not fits:
             return out
         pending = [_Pending(p, m) for _, _, p, m in fits]
         self._decode_batched(pending)
         for (i, req, _, _), done in zip(fits, pending):
-            out[i] = self._read(self.tok.decode(done.ids), done.finished, req.mode)
+            out[i] = self._read(self.tok.decode(done.ids), done.finished, req.mode, self._limit(done.prompt))
         return out
 
     def _prompt(self, req: Request, i: int) -> tuple[list[int] | Row, list[dict[str, Any]]]:
@@ -145,9 +157,13 @@ class Predictor:
         checked = checked_tools(req.tools)
         return Row(query=query, tools=checked, answers=[], reasoning=None, system=None, source=f"request:{i + 1}"), checked
 
-    def _read(self, text: str, finished: bool, mode: str) -> Prediction:
-        """One decoded turn as calls, ``{"content", "finished"}`` or an error object."""
-        late = "" if finished else f"no {self.tok.decode([self.tok.end_id])} within {self.cfg.max_new_tokens} tokens; "
+    def _limit(self, prompt: list[int]) -> int:
+        """The tokens a prompt's answer may take: the budget, or what is left of the context."""
+        return min(self.cfg.max_new_tokens, self.model.cfg.max_len - len(prompt))
+
+    def _read(self, text: str, finished: bool, mode: str, limit: int) -> Prediction:
+        """One decoded turn (of at most ``limit`` tokens) as calls, ``{"content", "finished"}`` or an error object."""
+        late = "" if finished else f"no {self.tok.decode([self.tok.end_id])} within {limit} tokens; "
         if mode == "calls":
             parsed = self.fmt.parse(text)
             return parsed.calls if parsed.ok else error(late + str(parsed.error), text)
@@ -176,7 +192,7 @@ class Predictor:
                 constrained = any(m is not None for m in matchers)
                 gen = generate_detailed(
                     self.model, self.loaded.params, [p.prompt for p in batch], max_new_tokens=self.cfg.max_new_tokens,
-                    end_id=self.tok.stop_ids, pad_id=self.tok.pad_id, batch_size=size,
+                    end_id=self.tok.stop_ids, pad_id=self.tok.pad_id, batch_size=size, overflow="shrink",
                     matchers=matchers if constrained else None, constraints=self._constraints if constrained else None,
                 )  # fmt: skip
                 for p, ids, finished in zip(batch, gen.ids, gen.finished):
