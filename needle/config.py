@@ -232,10 +232,11 @@ class TrainConfig(_Strict):
     )
     remat: Literal[
         "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
-        "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
+        "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims", "recompute",
     ] | None = Field(
         None, description="per-block rematerialisation policy (none: off; everything: recompute each block; or a "
-        "jax.checkpoint_policies name); None: the backend's default (needle/hardware.py)"
+        "jax.checkpoint_policies name; recompute: keep only each block's input, recomputed in a custom VJP, the "
+        "one that takes effect on CPU); None: the backend's default (needle/hardware.py)"
     )  # fmt: skip
     attention: Literal["auto", "blocked", "dense"] | None = Field(
         None, description="attention path: blocked (query blocks, no [B,H,T,T] tensor), dense (the old full scores), "

@@ -130,3 +130,37 @@ def test_grads_before_input_is_an_exact_identity_with_the_same_gradients():
     assert float(plain(x, a, b)) == float(tied(x, a, b))
     for g_plain, g_tied in zip(jax.grad(plain, (0, 1, 2))(x, a, b), jax.grad(tied, (0, 1, 2))(x, a, b)):
         assert jnp.array_equal(g_plain, g_tied)
+
+
+def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
+    """remat="recompute" (a custom VJP that keeps only each block's input) changes no value."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from needle.config import LoraConfig
+    from needle.hardware import settings_for
+    from needle.model import lora as lora_lib
+    from needle.model.hf import hf_config_to_model_config
+    from needle.model.hf_sample import shape_config
+    from needle.model.transformer import Transformer
+
+    cfg = hf_config_to_model_config({**shape_config("smollm2-135m"), "num_hidden_layers": 2, "vocab_size": 512}, max_len=64)
+    lcfg, base = LoraConfig(rank=4), settings_for("cpu")
+    trainable, frozen = lora_lib.split_trainable(lora_lib.init_params(cfg, lcfg, 0, base), "lora")
+    trainable = jax.tree.map(lambda a: a + 0.01, trainable)  # B starts at zero: give A a gradient
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 32)), jnp.int32)
+    segments = jnp.asarray([[1] * 20 + [2] * 12, [1] * 32], jnp.int32)
+
+    def loss(tr, policy):
+        model = Transformer(cfg, lcfg, dataclasses.replace(base, remat_policy=policy))
+        logits = model.apply({"params": lora_lib.combine(tr, frozen)}, ids, segment_ids=segments)
+        return jnp.mean(logits**2)
+
+    want, got = jax.value_and_grad(loss)(trainable, "none"), jax.value_and_grad(loss)(trainable, "recompute")
+    assert float(want[0]) == float(got[0])
+    for a, b in zip(jax.tree.leaves(want[1]), jax.tree.leaves(got[1])):
+        assert jnp.max(jnp.abs(a)) > 0
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
