@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
+from needle.hardware import REMAT_POLICIES
+
 
 class _Strict(BaseModel):
     """Base: unknown keys are errors, instances are immutable and hashable."""
@@ -230,10 +232,7 @@ class TrainConfig(_Strict):
     compilation_cache_dir: str | None = Field(
         ".cache/jax", description="persistent XLA compilation cache directory (None: off)"
     )
-    remat: Literal[
-        "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
-        "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims", "recompute",
-    ] | None = Field(
+    remat: Literal[REMAT_POLICIES] | None = Field(
         None, description="per-block rematerialisation policy (none: off; everything: recompute each block; or a "
         "jax.checkpoint_policies name; recompute: keep only each block's input, recomputed in a custom VJP, the "
         "one that takes effect on CPU); None: the backend's default (needle/hardware.py)"

@@ -40,7 +40,7 @@ GPU_BACKENDS = frozenset({"gpu", "cuda", "rocm"})
 REMAT_POLICIES = (
     "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
     "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
-    "recompute",  # keep each block's input only, recompute in a custom VJP (model/transformer.py)
+    "recompute",  # keep each block's input only, recompute in a custom VJP (model/recompute.py)
 )  # fmt: skip
 # "dense": one [B,H,T,T] float32 score tensor per layer (the old path); "blocked": query blocks
 # (needle/model/attention.py), never the full score matrix; "auto": cuDNN's fused kernel through

@@ -76,41 +76,13 @@ import numpy as np
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
 from needle.model.attention import blocked_attention
+from needle.model.recompute import apply_recomputed, grads_before_input
 
 # Short names of the projections as LoraConfig.targets spells them.
 _TARGET_OF = {
     "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
     "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
 }  # fmt: skip
-
-
-@jax.custom_vjp
-def grads_before_input(x: jax.Array, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Identity on ``(x, A, B)`` whose backward makes ``dx`` depend on ``dA`` and ``dB``.
-
-    Why: XLA's CPU scheduler defers every adapter gradient ``dA = x^T (dy B^T)`` to the end of
-    the step (it needs a transposed copy of ``x``, a new buffer, so a greedy memory scheduler
-    postpones it), keeping each layer's ``[B*T, d_ff]`` inputs alive until then: on the 135M
-    Llama shape at 4x640 tokens XLA's buffer assignment needs 5.06 GB of temporaries without
-    this and 4.06 GB with it (compiled.memory_analysis(), 2026-12-04). ``optimization_barrier``
-    would say this, but XLA's CPU pipeline drops barriers before scheduling; a data dependency
-    it must honour is ``dx + 0 * (dA[0, 0] + dB[0, 0])``, exactly ``dx`` for finite gradients
-    (a NaN in dA or dB is already a failed step).
-    """
-    return x, a, b
-
-
-def _gbi_fwd(x: jax.Array, a: jax.Array, b: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
-    return (x, a, b), None
-
-
-def _gbi_bwd(_: None, cts: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    dx, da, db = cts
-    dep = (da[0, 0] + db[0, 0]).astype(dx.dtype)
-    return dx + dep * jnp.zeros((), dx.dtype), da, db
-
-
-grads_before_input.defvjp(_gbi_fwd, _gbi_bwd)
 
 
 class LoraDense(nn.Module):
@@ -405,35 +377,6 @@ class OutputKernel(nn.Module):
     def __call__(self) -> jax.Array:
         shape = (self.d_model, self.vocab_size)
         return self.param("kernel", nn.initializers.lecun_normal(), shape, self.param_dtype)
-
-
-def apply_recomputed(block: Block, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-    """``block(x, positions, segment_ids)`` keeping only ``x`` for the backward pass, which recomputes the rest.
-
-    The ``recompute`` remat policy. Why not ``nn.remat``: XLA's CPU pipeline expands
-    ``jax.checkpoint``'s optimisation barriers before it schedules, so the recomputation is
-    merged back into the forward pass and every layer's activations stay alive (135M Llama
-    shape, LoRA 4x640: 3.94 GB of temporaries under ``everything``). Here the recomputation
-    runs inside a custom VJP on an input tied to the incoming cotangent (``x + 0 * g[0]``),
-    which no scheduler can hoist or merge: 0.41 GB.
-    """
-    plain = block.clone(parent=None, name=None)
-
-    def run(mdl: Block, x: jax.Array, positions: jax.Array, segment_ids: Any) -> jax.Array:
-        return mdl(x, positions, segment_ids)
-
-    def fwd(mdl: Block, x: jax.Array, positions: jax.Array, segment_ids: Any) -> tuple[jax.Array, Any]:
-        return mdl(x, positions, segment_ids), (mdl.variables["params"], x, positions, segment_ids)
-
-    def bwd(res: Any, g: jax.Array) -> tuple[Any, ...]:
-        params, x, positions, segment_ids = res
-        tied = x + jnp.zeros((), x.dtype) * g.reshape(-1)[0].astype(x.dtype)
-        _, vjp = jax.vjp(lambda p, h: plain.apply({"params": p}, h, positions, segment_ids), params, tied)
-        params_t, x_t = vjp(g)
-        zero = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (positions, segment_ids))
-        return ({"params": params_t}, x_t, *zero)
-
-    return nn.custom_vjp(run, forward_fn=fwd, backward_fn=bwd)(block, x, positions, segment_ids)
 
 
 def remat_block(policy: str) -> type[Block]:
