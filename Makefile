@@ -16,7 +16,7 @@ export DO_NOT_TRACK ?= 1
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ref]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ref,cluster]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,6 +12,7 @@ For each shape of ``needle.model.hf_sample.SHAPES`` (random weights: the 135M Ll
   device work (prefill + one jitted masked step per token on a host loop, with an all-allowed
   bitmask, so no grammar matcher's host time is counted): rows/s after a first compiling pass.
 
+``recompute`` is ``new`` with ``remat="recompute"`` (needle/model/recompute.py).
 ``old`` is the code before issue 20, selected by config (``needle.hardware.old_paths``: remat
 "none", attention "dense", loss_chunk 0, which also makes prefill form full ``[B, P, V]``
 logits); ``new`` is the backend's defaults (needle/hardware.py) and, on CPU, XLA's
@@ -68,7 +69,7 @@ def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     import jax
 
     from needle.config import LoraConfig
-    from needle.hardware import old_paths, settings_for
+    from needle.hardware import old_paths, settings_for, with_overrides
     from needle.model.hf import hf_config_to_model_config
     from needle.model.hf_sample import shape_config
     from needle.model.transformer import Transformer
@@ -77,6 +78,8 @@ def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     settings = settings_for(jax.default_backend())
     if path == "old":
         settings = old_paths(settings)
+    elif path == "recompute":  # the new path with each block recomputed in a custom VJP
+        settings = with_overrides(settings, remat="recompute")
     lora_cfg = LoraConfig(rank=LORA_RANK) if lora else None
     return cfg, lora_cfg, Transformer(cfg, lora_cfg, settings)
 
@@ -199,7 +202,7 @@ def run_child(kind: str, shape: str, path: str, args: argparse.Namespace) -> dic
         cmd = [sys.executable, "-m", "bench.memory", "--child", kind, shape, path, str(out),
                "--steps", str(args.steps), "--rows", str(args.rows), "--rss-limit-gb", str(args.rss_limit_gb)]  # fmt: skip
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        if path == "new":  # the new path's environment: XLA's memory-aware CPU scheduler
+        if path in ("new", "recompute"):  # the new path's environment: XLA's memory-aware CPU scheduler
             from needle.hardware import cpu_xla_flags
 
             env["XLA_FLAGS"] = cpu_xla_flags(env.get("XLA_FLAGS", ""))
@@ -281,7 +284,7 @@ def format_table(result: dict[str, Any]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     f = lambda x, p=2: "-" if not isinstance(x, (int, float)) else f"{x:.{p}f}"  # noqa: E731
     for shape, per in result["shapes"].items():
-        for path in ("old", "new"):
+        for path in ("old", "new", "recompute"):
             if path not in per:
                 continue
             s = _summary(per[path])

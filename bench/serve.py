@@ -2,6 +2,7 @@
 
     python -m bench.serve [--model DIR|URI] [--requests 30] [--eval-rows 100] [--out bench/results/serve.json]
     python -m bench.serve --libs      # llguidance vs xgrammar vs outlines-core, whichever are installed
+    python -m bench.serve --prefix    # the prefix cache alone (bench/results/serve_prefix.json)
 
 Saves the model as the pyfunc model the flow registers (needle/serve/pyfunc.py), serves it with
 `needle serve` (MLflow's own scoring app, so ``/invocations`` is what `mlflow models serve`
@@ -14,6 +15,13 @@ in-process constrained vs free decoding rows/s on held-out
 rows of data/sample/new.jsonl (the second, warm pass of each). ``--model`` defaults to the newest
 tuned model under .state/finetune (the main job's); without one it uses a random-init ``small``
 model and says so in the JSON.
+
+``prefix`` (needle/serve/prefix_cache.py): conversations of 1, 3 and 6 turns over one system turn
+and the sample's 11 new tools, built from the sample's conversations. A client sends each turn in
+order, resending the conversation so far; the last turn's latency is measured (p50/p95 over
+``--conversations``), by the in-process ``Predictor`` the server runs, with the cache off and on.
+The model is a random-init ``small`` shape with a 2,048-token context (the trained ``small``
+model's 320 cannot hold 6 turns); a warm-up set of other conversations compiles the shapes first.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ def _newest_model() -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def _random_small(out: Path) -> Path:
+def _random_small(out: Path, max_len: int | None = None) -> Path:
     from needle.config import model_preset
     from needle.data.load import read_rows
     from needle.data.render import render_text
@@ -62,7 +70,7 @@ def _random_small(out: Path) -> Path:
 
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)
-    cfg = model_preset("small", vocab_size=1024)
+    cfg = model_preset("small", vocab_size=1024, **({"max_len": max_len} if max_len else {}))
     return save_model(out, init_params(cfg, None, 0), cfg, tok, {"random_init": True})
 
 
@@ -97,6 +105,64 @@ def decode_speed(model_dir: Path, n_rows: int) -> dict:
     return {"rows": len(held), "free_rows_per_s": res.rows_per_s, "constrained_rows_per_s": m["constrained_rows_per_s"],
             "free": {k: m[k] for k in keys}, "constrained": {k: m[f"constrained_{k}"] for k in keys},
             "constrained_n_steered": m["constrained_n_steered"]}  # fmt: skip
+
+
+def _conversations(rows: list[dict], turns: int, n: int, skip: int) -> list[list[list[dict]]]:
+    """``n`` conversations of ``turns`` user turns from the sample's conversation ``rows`` (from
+    ``skip`` on), each as the message lists a client sends turn by turn."""
+    system = {"role": "system", "content": "You are the assistant of a phone: call a tool when one fits, else answer."}
+    out = []
+    for c in range(n):
+        history, requests = [system], []
+        for t in range(turns):
+            messages = rows[(skip + c * turns + t) % len(rows)]["messages"]
+            requests.append([*history, messages[0]])
+            history += messages
+        out.append(requests)
+    return out
+
+
+def prefix_speed(n_conversations: int, work: Path, turns: tuple[int, ...] = (1, 3, 6)) -> dict:
+    """The last turn's latency with the prefix cache off and on (module doc)."""
+    from needle.data.sample_tools import NEW_TOOLS
+    from needle.model.io import load_model
+    from needle.serve.engine import DEFAULT_PREFIX_CACHE_MB, Predictor
+    from needle.serve.prompt import Request
+
+    loaded = load_model(_random_small(work / "small-2048", max_len=2048))
+    tools = [t.schema() for t in NEW_TOOLS]
+    lines = (ROOT / "data/sample/new.jsonl").read_text().splitlines()
+    rows = [r for r in map(json.loads, lines) if "messages" in r]
+    result: dict[str, Any] = {"model": "random-init small, max_len 2048", "tools": len(tools),
+                              "conversations": n_conversations, "cache_mb": DEFAULT_PREFIX_CACHE_MB}  # fmt: skip
+    for k in turns:
+        entry: dict[str, Any] = {}
+        for label, mb in (("off", 0.0), ("on", DEFAULT_PREFIX_CACHE_MB)):
+            predictor = Predictor(loaded, prefix_cache_mb=mb)
+            ask = lambda messages: predictor.predict([Request(messages=messages, tools=tools, mode="auto")])  # noqa: E731
+            for conversation in _conversations(rows, k, 4, skip=300):  # warm-up: compiles the shapes
+                for messages in conversation:
+                    ask(messages)
+            latencies, prompt_tokens = [], []
+            for conversation in _conversations(rows, k, n_conversations, skip=0):
+                for messages in conversation[:-1]:  # the turns before, as the client sent them
+                    ask(messages)
+                start = time.perf_counter()
+                ask(conversation[-1])
+                latencies.append(time.perf_counter() - start)
+            entry[label] = {"latency_p50_s": statistics.median(latencies), "latency_p95_s": _pct(latencies, 0.95)}
+            if predictor.prefix_cache is not None:
+                stats = predictor.prefix_cache.stats()
+                entry[label]["reused_token_share"] = stats["hit_tokens"] / stats["prompt_tokens"]
+                entry[label]["cache_bytes"] = stats["bytes"]
+        entry["p50_speedup"] = entry["off"]["latency_p50_s"] / entry["on"]["latency_p50_s"]
+        last = Request(messages=_conversations(rows, k, 1, skip=0)[0][-1], tools=tools, mode="auto")
+        entry["prompt_tokens_last_turn"] = len(predictor._prompt(last, 0)[0])
+        result[f"turns_{k}"] = entry
+        print(f"{k} turns: off p50 {entry['off']['latency_p50_s']:.3f} s p95 {entry['off']['latency_p95_s']:.3f} s; "
+              f"on p50 {entry['on']['latency_p50_s']:.3f} s p95 {entry['on']['latency_p95_s']:.3f} s "
+              f"({entry['p50_speedup']:.2f}x)", flush=True)  # fmt: skip
+    return result
 
 
 def compare_libs(n_sets: int = 32) -> dict:
@@ -272,10 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a needle model dir or models:/ URI (default: the newest under .state/finetune)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--eval-rows", type=int, default=100)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/serve.json"))
+    ap.add_argument("--prefix", action="store_true", help="measure the prefix cache alone")
+    ap.add_argument("--conversations", type=int, default=12, help="conversations per length for --prefix")
+    ap.add_argument("--out", default=None, help="default: bench/results/serve.json (serve_prefix.json with --prefix)")
     args = ap.parse_args(argv)
     if args.libs:
         print(json.dumps(compare_libs(), indent=2))
+        return 0
+    stamp = {"machine": f"{os.cpu_count()} cores", "load_avg": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}
+    if args.prefix:
+        work = Path(tempfile.mkdtemp(prefix="needle-serve-"))
+        result = {**prefix_speed(args.conversations, work), **stamp}
+        _write(Path(args.out or ROOT / "bench/results/serve_prefix.json"), result)
         return 0
     from needle.serve.pyfunc import local_model_dir
 
@@ -286,11 +360,15 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = _random_small(work / "small")
     result = {"model": source, **serving_speed(model_dir, args.requests, work),
               "decode": decode_speed(model_dir, args.eval_rows),
-              "machine": f"{os.cpu_count()} cores", "load_avg": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(json.dumps(result, indent=2))
+              "prefix": prefix_speed(args.conversations, work), **stamp}  # fmt: skip
+    _write(Path(args.out or ROOT / "bench/results/serve.json"), result)
     return 0
+
+
+def _write(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

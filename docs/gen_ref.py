@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 # (module, classes in reading order); every BaseModel of a module must be listed (checked).
 CONFIG_MODULES = {
     "needle.config": ["ModelConfig", "RopeScaling", "Needle3Config", "LoraConfig", "OptimConfig", "TrainConfig",
-                      "DataConfig", "EvalConfig"],
+                      "DataConfig", "EvalConfig", "ClusterConfig"],
     "needle.gate": ["GateRule"],
     "flows.params": ["FinetuneParams"],
     "flows.sweep": ["SweepParams", "Dimension"],

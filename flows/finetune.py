@@ -89,7 +89,8 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     # the same inputs would hand back the old model with 0 steps, whatever made the user force it.
     if p.force:
         key = config_digest(key, "force", str(runtime.flow_run.id))
-    tuned = finetune(prepared, base_model, train_cfg, optim_cfg, p.lora, state / "finetune" / f"{p.mode}-{key}", tracker)
+    tuned = finetune(prepared, base_model, train_cfg, optim_cfg, p.lora, state / "finetune" / f"{p.mode}-{key}", tracker,
+                     p.cluster)  # fmt: skip
     report = evaluate(base_model, tuned.model_dir, prepared, p.eval, run_dir / "eval")
     exports = export(tuned.model_dir, run_dir / "export")
     metrics = rec.record_results(run, tracker, base_model, prepared, tuned, report, run_dir, exports)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flows.paths import resolve_source
-from needle.config import DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from needle.config import preset_names, training_configs
 from needle.gate import DEFAULT_GATE, GateRule
 from needle.pipeline import AutoBase, model_config
@@ -25,7 +25,7 @@ SAMPLE_NEW = "data/sample/new.jsonl"
 SAMPLE_BASE = "data/sample/base.jsonl"
 # Fields that do not change the model a run trains: left out of its inputs key (train_key).
 # (The base enters the key by content: needle.lineage.base_fingerprint.)
-NOT_TRAINING = {"data", "base_data", "base_model", "eval", "register_model", "force", "gate_data", "gate"}
+NOT_TRAINING = {"data", "base_data", "base_model", "eval", "register_model", "force", "gate_data", "gate", "cluster"}
 
 
 class FinetuneParams(BaseModel):
@@ -56,6 +56,10 @@ class FinetuneParams(BaseModel):
         default_factory=dict, description="further TrainConfig keys, e.g. log_every, checkpoint_every"
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="generation-based evaluation settings")
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="where the fine-tune trains: in the flow's process, or as one "
+        "program on Ray workers (workers, address, devices_per_worker)"
+    )
     register_model: bool = Field(True, description="create a model version in the MLflow registry")
     force: bool = Field(False, description="retrain even when data, base and config equal the champion's")
     gate_data: str = Field(DEFAULT_GATE, description="the fixed gate set champion and challenger are scored on")

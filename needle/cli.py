@@ -45,6 +45,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def megabytes(text: str) -> float:
+    """argparse type: a size in MB, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of megabytes, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more megabytes, got {text}")
+    return value
+
+
 def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
     """A directory that can be created or reused: refuse a file (or a file on its path) before any work."""
     out = Path(path)
@@ -95,7 +106,7 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from needle import pipeline
-    from needle.config import DataConfig, LoraConfig, training_configs
+    from needle.config import ClusterConfig, DataConfig, LoraConfig, training_configs
 
     scratch = args.mode == "scratch"
     _check_base(args.mode, args.base)  # argument mistakes fail before any file is read or written
@@ -108,7 +119,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                      vocab_size=model_cfg.vocab_size, cache_dir=prepared_cache_dir())
     train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
     lora_cfg = LoraConfig() if args.mode == "lora" else None
-    trained = pipeline.train(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=out)
+    cluster = ClusterConfig(workers=args.workers, address=args.ray, devices_per_worker=args.devices_per_worker)
+    trained = pipeline.train(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=out,
+                             cluster=cluster)  # fmt: skip
     summary = _train_summary(trained, prepared, args.mode, model_cfg.preset)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
     print(json.dumps(summary, indent=2, sort_keys=True))
@@ -161,8 +174,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from needle.serve.engine import PREFIX_CACHE_ENV
     from needle.serve.http import serve
 
+    if args.prefix_cache_mb is not None:
+        os.environ[PREFIX_CACHE_ENV] = str(args.prefix_cache_mb)  # read where the pyfunc builds its Predictor
     serve(args.model, host=args.host, port=args.port)
     return 0
 
@@ -242,6 +258,12 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=["fail", "drop"], default="fail", help="bad rows: fail, or drop and report")
+    p.add_argument("--workers", type=positive_int, default=1,
+                   help="train as one program on N Ray workers (default 1: in this process)")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="the Ray cluster for --workers (default: a local one started and stopped for the run)")
+    p.add_argument("--devices-per-worker", type=positive_int, default=1,
+                   help="devices each worker trains on (GPUs; on CPU, virtual devices)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate", help="score the tool calls a model emits on a dataset")
@@ -265,6 +287,9 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("model", help="models:/needle@champion, runs:/ID/model, an MLflow model dir or a needle model dir")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=positive_int, default=5123, help="default 5123 (5000 is the MLflow UI's)")
+    p.add_argument("--prefix-cache-mb", type=megabytes, default=None,
+                   help="keys and values of shared prompt prefixes kept for reuse, in MB (default "
+                        "$NEEDLE_PREFIX_CACHE_MB or 256; 0: off)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("export", help="write a model as a Hugging Face model, a PEFT LoRA adapter or Needle's files")

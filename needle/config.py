@@ -216,6 +216,10 @@ class TrainConfig(_Strict):
     steps: int = Field(200, gt=0, description="optimizer steps")
     batch_size: int = Field(16, gt=0, description="sequences per optimizer step (global, all devices); packed, each holds several rows")
     grad_accum: int = Field(1, gt=0, description="micro-batches per step; batch_size must divide by it")
+    fsdp: int = Field(
+        1, gt=0, description="devices the frozen base (and in full fine-tuning the trained weights and optimizer "
+        "state) are sharded over, the mesh's fsdp axis; the rest form the data axis; must divide the device count"
+    )
     packing: bool = Field(
         True, description="pack several whole rows into each sequence (segment ids: attention and RoPE positions "
         "per row); False: one row per sequence, padded to a length bucket"
@@ -291,6 +295,19 @@ class EvalConfig(_Strict):
     constrained: bool = Field(
         True, description="also decode under the offered tools' call grammar and report constrained_* metrics "
         "beside free decoding's (needle/serve/constrain.py)"
+    )
+
+
+class ClusterConfig(_Strict):
+    """Where the fine-tune runs: in this process (one worker), or as one program on Ray workers."""
+
+    workers: int = Field(1, gt=0, description="processes that train as one program; 1: in this process, no Ray")
+    address: str | None = Field(
+        None, description="a Ray cluster's address (host:port, or 'auto'); None: a local Ray started for the "
+        "run and stopped after it"
+    )
+    devices_per_worker: int = Field(
+        1, gt=0, description="devices each worker trains on: GPUs it reserves, or on CPU virtual devices"
     )
 
 

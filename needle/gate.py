@@ -202,11 +202,21 @@ def decision_table(challenger: dict[str, Any], champion: dict[str, Any] | None,
     return rows
 
 
+def user_queries(row: Any) -> list[str]:
+    """Every user message of a row (a JSON dict or a validated ``Row``): a conversation shows
+    the model each of its turns, so each can leak a gate query."""
+    get = row.get if isinstance(row, dict) else lambda key: getattr(row, key)
+    messages = get("messages")
+    if messages:
+        return [m["content"] for m in messages if m["role"] == "user"]
+    return [get("query")]
+
+
 def overlap_count(training_rows: list[Any], gate_rows: list[Any]) -> int:
-    """Gate rows whose query also appears in the training rows (validated ``Row`` objects): a
-    gate that leaks into training flatters every model trained on it; the flow tags the count."""
-    seen = {r.query for r in training_rows}
-    return sum(r.query in seen for r in gate_rows)
+    """Gate rows whose query also appears in the training rows, in any turn: a gate that
+    leaks into training flatters every model trained on it; the flow tags the count."""
+    seen = {q for r in training_rows for q in user_queries(r)}
+    return sum(any(q in seen for q in user_queries(r)) for r in gate_rows)
 
 
 def held_out_rows(n: int, training_rows: list[dict[str, Any]], seed: int = GATE_SEED) -> list[dict[str, Any]]:
@@ -214,7 +224,7 @@ def held_out_rows(n: int, training_rows: list[dict[str, Any]], seed: int = GATE_
     of ``training_rows`` and in no earlier gate row."""
     from needle.data.sample import generate_rows
 
-    seen = {r["query"] for r in training_rows}
+    seen = {q for r in training_rows for q in user_queries(r)}
     out: list[dict[str, Any]] = []
     drawn = 0
     while len(out) < n:

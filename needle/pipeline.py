@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from needle.config import DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from needle.config import DEFAULT_PRESET, model_preset
 from needle.data.load import LoadedSource, OnError, load_source
 from needle.data.prepare import PreparedData, cache_key, collect_texts, load_cached, prepare_rows, save_cached
@@ -274,21 +274,44 @@ def train(
     base: Base | None = None,
     out_dir: str | Path,
     tracker: Tracker | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> Trained:
     """Train (scratch, or lora/full on ``base``) and export to ``out_dir/model``; resumes from
-    ``out_dir``'s checkpoints when rerun with the same configs and data (a retry)."""
-    result = run_training(
-        prepared.data, prepared.tokenizer, model_cfg, train_cfg, optim_cfg,
-        lora_cfg if train_cfg.mode == "lora" else None,
-        base_model_dir=base.model_dir if base is not None else None,
-        base=base.loaded if base is not None else None,
-        out_dir=Path(out_dir), tracker=tracker,
-    )  # fmt: skip
+    ``out_dir``'s checkpoints when rerun with the same configs and data (a retry).
+
+    ``cluster`` with more than one worker trains on Ray workers as one program
+    (``needle/train/launch.py``); their params and metrics are logged here when it ends.
+    """
+    lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
+    if cluster is not None and cluster.workers > 1:
+        result = _train_on_cluster(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base, Path(out_dir), cluster)
+        replay_record({"params": result.params, "history": result.history}, tracker or NoopTracker())
+    else:
+        result = run_training(
+            prepared.data, prepared.tokenizer, model_cfg, train_cfg, optim_cfg, lora_cfg,
+            base_model_dir=base.model_dir if base is not None else None,
+            base=base.loaded if base is not None else None,
+            out_dir=Path(out_dir), tracker=tracker,
+        )  # fmt: skip
     return Trained(
         model_dir=str(result.model_dir), final_step=result.final_step, train_loss=result.train_loss,
         val_loss=result.val_loss, wall_s=result.wall_s, tokens_per_s=result.tokens_per_s,
         history=list(result.history), params=result.params, fingerprint=prepared.fingerprint,
     )  # fmt: skip
+
+
+def _train_on_cluster(
+    prepared: PreparedSet, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimConfig,
+    lora_cfg: LoraConfig | None, base: Base | None, out: Path, cluster: ClusterConfig,
+) -> Any:  # fmt: skip
+    from needle.train.launch import TrainSpec, train_on_workers
+
+    directory = prepared.directory
+    if directory is None:  # the workers read the prepared data from disk
+        directory = save_cached(prepared.data, prepared.tokenizer, out / "prepared")
+    spec = TrainSpec(str(directory), model_cfg, train_cfg, optim_cfg, lora_cfg,
+                     base.model_dir if base is not None else None, str(out))  # fmt: skip
+    return train_on_workers(spec, cluster)
 
 
 def evaluate(

@@ -19,7 +19,7 @@ from prefect.states import State
 
 from needle import gate as gating
 from needle import lineage, pipeline, registry
-from needle.config import DataConfig, EvalConfig, LoraConfig, OptimConfig, TrainConfig
+from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, OptimConfig, TrainConfig
 from needle.errors import NeedleError
 from needle.tracking import Tracker
 
@@ -53,11 +53,11 @@ def base(spec: str, preset: Optional[str], auto: pipeline.AutoBase, state_dir: P
 
 @task(name="finetune", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def finetune(prepared: pipeline.PreparedSet, base: pipeline.Base, train_cfg: TrainConfig, optim_cfg: OptimConfig,
-             lora: LoraConfig, out_dir: Path, tracker: Tracker) -> pipeline.Trained:
-    """Fine-tune on the base; out_dir is fixed by data and configs, so a retry or re-run resumes it."""
+             lora: LoraConfig, out_dir: Path, tracker: Tracker, cluster: Optional[ClusterConfig] = None) -> pipeline.Trained:
+    """Fine-tune on the base (on Ray workers with a cluster); out_dir is fixed by data and configs, so a retry or re-run resumes it."""
     with pipeline.build_lock(out_dir, "fine-tune"):  # two flows on one state dir never train one folder at once
         return pipeline.train(prepared, base.model_cfg, train_cfg, optim_cfg, lora, base=base, out_dir=out_dir,
-                              tracker=tracker)
+                              tracker=tracker, cluster=cluster)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

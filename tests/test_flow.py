@@ -167,6 +167,37 @@ def test_needle_train_and_the_flow_give_bit_equal_params(
     assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
 
 
+def test_two_ray_workers_train_what_one_process_trains(
+    flow_env: str, tiny_flow_params: dict[str, Any], sample_data: dict[str, Path], tmp_path: Path
+) -> None:
+    """`needle train --workers 2` and the flow's cluster parameter: LoRA on two Ray workers (a local
+    Ray, started and stopped by each) gives the one-process weights (1e-5); the flow's run records
+    both workers' devices and every step's loss."""
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from flows.finetune import needle
+    from flows.params import FinetuneParams
+
+    pytest.importorskip("ray")
+    base = _needle_train(sample_data["base"], tmp_path / "base", "--mode", "scratch", "--preset", "tiny")
+    one = _needle_train(sample_data["new"], tmp_path / "one", "--mode", "lora", "--base", base["model_dir"])
+    two = _needle_train(sample_data["new"], tmp_path / "two", "--mode", "lora", "--base", base["model_dir"],
+                        "--workers", "2")  # fmt: skip
+    flow = needle(FinetuneParams(**{**tiny_flow_params, "base_model": base["model_dir"], "preset": None,
+                                    "cluster": {"workers": 2}, "force": True}))  # fmt: skip
+    ours = _flat_params(one["model_dir"])
+    for model_dir in (two["model_dir"], flow["model_dir"]):
+        theirs = _flat_params(model_dir)
+        assert ours.keys() == theirs.keys()
+        for k in ours:
+            np.testing.assert_allclose(theirs[k], ours[k], atol=1e-5, err_msg=k)
+    client = MlflowClient(tracking_uri=flow_env)
+    run = client.get_run(flow["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["devices"] == "2"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+
+
 def test_dropping_bad_rows_prepares_the_same_rows_on_both_paths(
     flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path, tmp_path: Path
 ) -> None:

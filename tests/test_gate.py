@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from needle.gate import DEFAULT_GATE, GATE_ROWS, GateRule, decide, decision_table, gate_fingerprint
+from needle.gate import (DEFAULT_GATE, GATE_ROWS, GateRule, decide, decision_table, gate_fingerprint,
+                         user_queries)
 from needle.gate import write_gate_sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,12 +62,14 @@ def test_shipped_gate_set_is_held_out(tmp_path: Path) -> None:
     gate = ROOT / DEFAULT_GATE
     new = ROOT / "data" / "sample" / "new.jsonl"
     gate_rows = [json.loads(line) for line in gate.read_text().splitlines()]
-    train_queries = {json.loads(line)["query"] for line in new.read_text().splitlines()}
+    train_queries = {q for line in new.read_text().splitlines() for q in user_queries(json.loads(line))}
+    assert any("messages" in json.loads(line) for line in new.read_text().splitlines())  # conversations count too
     assert len(gate_rows) == GATE_ROWS == len({r["query"] for r in gate_rows})
     assert not {r["query"] for r in gate_rows} & train_queries  # no training split holds a gate row
     from needle.data.load import validate_source
 
     assert validate_source(str(gate)).ok
+    assert write_gate_sample(tmp_path / "all.jsonl", new).read_text() == gate.read_text()  # python -m needle.gate
     drawn = [json.loads(line) for line in write_gate_sample(tmp_path / "g.jsonl", new, n=20).read_text().splitlines()]
     assert len(drawn) == 20 and not {r["query"] for r in drawn} & train_queries
 
@@ -98,3 +101,7 @@ def test_overlap_counts_gate_rows_seen_in_training() -> None:
     gate = load_source(str(ROOT / DEFAULT_GATE)).rows
     assert overlap_count(load_source(str(ROOT / "data" / "sample" / "new.jsonl")).rows, gate) == 0
     assert overlap_count(gate[:7], gate) == 7
+    leaked = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+                           {"role": "user", "content": gate[3].query}, {"role": "assistant", "content": "ok"}]}
+    assert user_queries(leaked) == ["hello", gate[3].query]
+    assert overlap_count([leaked], gate) == 1  # a gate query in a later turn of a conversation leaks too

@@ -82,9 +82,9 @@ def test_flow_finetunes_needle3_registers_exports_and_serves(
 
     # `needle serve` of the registered champion answers constrained calls.
     sys.path.insert(0, str(Path(__file__).parent / "serve"))
-    from test_pyfunc import _free_port, _post, _stop_group, _wait_for_ping
+    from serve_helpers import free_port, post, stop_group, wait_for_ping
 
-    port, log_path = _free_port(), tmp_path / "serve.log"
+    port, log_path = free_port(), tmp_path / "serve.log"
     env = {**os.environ, "MLFLOW_TRACKING_URI": flow_env, "NEEDLE_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "needle.cli", "serve", f"models:/needle/{result['model_version']['version']}",
            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
@@ -92,21 +92,21 @@ def test_flow_finetunes_needle3_registers_exports_and_serves(
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
-            _wait_for_ping(server, base, log_path)
+            wait_for_ping(server, base, log_path)
             tools = [{"type": "function", "function": t} for t in EXAMPLE_TOOLS]
-            status, out = _post(f"{base}/v1/chat/completions",
+            status, out = post(f"{base}/v1/chat/completions",
                                 {"model": "needle", "messages": [{"role": "user", "content": "Text Bo hi"}], "tools": tools})
             assert status == 200, out
             message = out["choices"][0]["message"]  # type: ignore[index]
             for call in message.get("tool_calls") or []:
                 assert call["function"]["name"] == "send_message"
                 jsonschema.validate(json.loads(call["function"]["arguments"]), EXAMPLE_TOOLS[0]["parameters"])
-            status, out = _post(f"{base}/invocations",
+            status, out = post(f"{base}/invocations",
                                 {"dataframe_records": [{"query": "Text Bo hi", "tools": json.dumps(EXAMPLE_TOOLS)}]})
             assert status == 200 and out["predictions"][0]["error"] is None, out  # type: ignore[index]
             assert isinstance(json.loads(out["predictions"][0]["calls"]), list)  # type: ignore[index]
         finally:
-            _stop_group(server)
+            stop_group(server)
 
 
 def _bad_checkpoints(good: Path, root: Path) -> dict[str, Path]:

@@ -107,4 +107,4 @@ def test_the_smallest_preset_takes_the_bundled_sample_whole() -> None:
     new = pipeline.prepare_data(DataConfig(source=str(ROOT / "data/sample/new.jsonl"), max_len=tiny.max_len),
                                 tokenizer=base.tokenizer)  # on_error fail: one longer row raises  # fmt: skip
     assert new.data.stats["dropped"] == 0 and new.data.stats["length"]["max"] <= tiny.max_len
-    assert sum(new.data.stats["rows"].values()) == 4000
+    assert sum(new.data.stats["rows"].values()) == 4600  # 4,000 single-turn rows and 600 conversations

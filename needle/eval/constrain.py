@@ -61,6 +61,7 @@ LIBRARY = "llguidance"
 # A constrained row with this many tokens of budget left is steered to finish its call list:
 # among the tokens the grammar allows it picks those that close strings, objects and the list
 # (and a stop id as soon as one is allowed), so a call list is complete before the budget ends.
+# A row answering in words (Constraints.answers_in_text) is not steered.
 CLOSE_RESERVE = 24
 CACHE_SIZE = 256
 
@@ -285,6 +286,24 @@ class Constraints:
         if getattr(self, "_bytes", None) is None:
             self._bytes = [self._lltok.decode_bytes([i]) for i in range(self.tok_vocab)]
         return self._bytes
+
+    def answers_in_text(self, ids: Sequence[int]) -> bool:
+        """Whether a row's output ``ids`` so far is an answer in words (``auto``/``none`` modes): it
+        has tokens, and neither a call opener (``<|call|>``, ``<tool_call>``, a leading ``[``/``{``
+        in the JSON formats) nor a reasoning block. Steering (``CLOSE_RESERVE``) closes call lists
+        and leaves such a row alone: text runs to its budget and reports that it was cut."""
+        if not len(ids):
+            return False
+        openers = {self._specials.get(t) for t in (CALL, "<tool_call>")} - {None}
+        if any(int(i) in openers for i in ids):
+            return False
+        table = self.token_bytes()
+        text = b"".join(table[int(i)] for i in ids if int(i) < len(table)).decode("utf-8", "replace").lstrip()
+        if not text or text.startswith(("<think>", "<|think|>")):
+            return False
+        if self.kind in ("native", "needle3", "hermes"):
+            return CALL not in text and "<tool_call>" not in text
+        return text[:1] not in ("[", "{") and not text.startswith(("```", "<|python_tag|>"))
 
     def close_scores(self, model_vocab: int) -> np.ndarray:
         """``[2, vocab]`` closing scores (see ``CLOSE_RESERVE``): row 0 outside a JSON string, the

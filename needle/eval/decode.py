@@ -27,6 +27,9 @@ holds a constrained row decodes on a host loop instead: one jitted prefill, then
 step per token; before each argmax the logits are masked on the device with the rows' bitmasks
 (``[rows, ceil(vocab/32)]`` int32, filled by the matchers in parallel on the host), and each
 chosen token is fed back to its row's matcher. Free batches keep the single compiled loop.
+With a ``prefix_cache`` (needle/serve/prefix_cache.py; the server keeps one) a prompt whose
+leading 16-token blocks were prefilled before starts from those cached keys and values, and only
+the rest is prefilled, at explicit positions; without a hit the path is the one above.
 ``generate_uncached`` is the slow reference (a full forward pass per token) for the tests.
 
     from needle.eval.decode import generate
@@ -99,19 +102,25 @@ def _check_prompts(model: Transformer, prompts: list[list[int]], max_new_tokens:
             )
 
 
-def _prefill(model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Any]:
+def _prefill(
+    model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array, starts: jax.Array | None = None
+) -> tuple[jax.Array, Any]:  # fmt: skip
     """Fill the cache with ``tokens[B, P]``; return each row's next-token logits ``[B, V]`` (at
     position ``lengths - 1``) and the cache. Only those B positions go through the output layer:
     the final hidden states are gathered first (``return_hidden``), never ``[B, P, V]`` logits.
-    Settings with ``loss_chunk=0`` keep the path before issue 20 (full logits, then pick)."""
+    Settings with ``loss_chunk=0`` keep the path before issue 20 (full logits, then pick).
+    With ``starts`` (a reused prefix per row, already in the cache) ``tokens`` are the rest of
+    each prompt, fed at slots ``starts + t``; ``lengths`` stay whole prompts'."""
+    positions = None if starts is None else starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    at = (lengths if starts is None else lengths - starts) - 1
     settings = getattr(model, "settings", None)
     if settings is not None and getattr(settings, "loss_chunk", 1) == 0:
-        logits, upd = model.apply({"params": params, "cache": cache}, tokens, None, decode=True, mutable=["cache"])
-        return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0], upd["cache"]
+        logits, upd = model.apply({"params": params, "cache": cache}, tokens, positions, decode=True, mutable=["cache"])
+        return jnp.take_along_axis(logits, at[:, None, None], axis=1)[:, 0], upd["cache"]
     hidden, upd = model.apply(
-        {"params": params, "cache": cache}, tokens, None, decode=True, return_hidden=True, mutable=["cache"]
+        {"params": params, "cache": cache}, tokens, positions, decode=True, return_hidden=True, mutable=["cache"]
     )
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
     return model.apply({"params": params}, last, method="logits"), upd["cache"]
 
 
@@ -125,15 +134,17 @@ def _decode_batch(
     limits: jax.Array,
     stop_ids: jax.Array,
     pad_id: jax.Array,
+    starts: jax.Array | None = None,
     *,
     max_new: int,
-) -> jax.Array:
-    """Prefill ``tokens[B, P]`` and decode greedily; return ``out[B, max_new]`` (pad after the end).
+) -> tuple[jax.Array, Any]:
+    """Prefill ``tokens[B, P]`` and decode greedily; return ``out[B, max_new]`` (pad after the
+    end) and the cache, whose first ``lengths`` slots hold the prompts (for a prefix cache).
 
     ``stop_ids[K]`` is traced: one compiled program per number of stop ids, not per tokenizer.
     """
     rows = tokens.shape[0]
-    last, upd = _prefill(model, params, cache, tokens, lengths)
+    last, upd = _prefill(model, params, cache, tokens, lengths, starts)
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     out = jnp.full((rows, max_new), pad_id, jnp.int32).at[:, 0].set(first)
     # A row with limit 0 is batch padding; limit 1 has spent its budget on ``first``.
@@ -154,7 +165,8 @@ def _decode_batch(
 
     # Answer token k is fed at slot n_b + k, right after the prompt's last real slot.
     state = (jnp.int32(1), first, lengths.astype(jnp.int32), upd, out, done)
-    return jax.lax.while_loop(keep_going, one_step, state)[4]
+    final = jax.lax.while_loop(keep_going, one_step, state)
+    return final[4], final[3]
 
 
 def _masked_argmax(logits: jax.Array, bits: jax.Array, closing: jax.Array, scores: jax.Array) -> jax.Array:
@@ -173,8 +185,9 @@ def _masked_argmax(logits: jax.Array, bits: jax.Array, closing: jax.Array, score
 
 @partial(jax.jit, static_argnames="model", donate_argnames="cache")
 def _prefill_masked(model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
-                    bits: jax.Array, closing: jax.Array, scores: jax.Array) -> tuple[jax.Array, Any]:  # fmt: skip
-    last, cache = _prefill(model, params, cache, tokens, lengths)
+                    bits: jax.Array, closing: jax.Array, scores: jax.Array,
+                    starts: jax.Array | None = None) -> tuple[jax.Array, Any]:  # fmt: skip
+    last, cache = _prefill(model, params, cache, tokens, lengths, starts)
     return _masked_argmax(last, bits, closing, scores), cache
 
 
@@ -189,10 +202,12 @@ def _step_masked(model: Transformer, params: Any, cache: Any, tok: jax.Array, po
 def _decode_batch_constrained(
     model: Transformer, params: Any, cache: Any, tokens: np.ndarray, lengths: np.ndarray, limits: np.ndarray,
     stops: np.ndarray, pad_id: int, max_new: int, matchers: list[Any], constraints: Any,
-) -> tuple[np.ndarray, int]:  # fmt: skip
+    starts: np.ndarray | None = None,
+) -> tuple[np.ndarray, int, Any]:  # fmt: skip
     """The host-loop twin of :func:`_decode_batch`: the same greedy steps with grammar masks.
 
-    Returns the tokens and how many constrained rows were steered to close (``CLOSE_RESERVE``).
+    Returns the tokens, how many constrained rows were steered to close (``CLOSE_RESERVE``) and
+    the cache.
     """
     from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
 
@@ -202,7 +217,7 @@ def _decode_batch_constrained(
     rows = tokens.shape[0]
     out = np.full((rows, max_new), pad_id, np.int32)
     closing = (constrained & (limits <= CLOSE_RESERVE)).astype(np.int32)
-    nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, closing, scores)
+    nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, closing, scores, starts)
     nxt = np.asarray(nxt)
     out[:, 0] = nxt
     done = np.isin(nxt, stops) | (limits <= 1)
@@ -215,6 +230,8 @@ def _decode_batch_constrained(
         masks.update(nxt, done, token_bytes)
         feed = np.where(done, pad_id, nxt).astype(np.int32)
         near_end = constrained & ~done & (limits - step <= CLOSE_RESERVE)
+        for r in np.flatnonzero(near_end):  # text is not closed early: it runs to its budget
+            near_end[r] = not constraints.answers_in_text(out[r, :step])
         steered |= near_end
         closing = np.where(near_end, np.where(masks.in_string, 2, 1), 0).astype(np.int32)
         nxt, cache = _step_masked(model, params, cache, feed, pos, masks.bits, closing, scores)
@@ -222,7 +239,7 @@ def _decode_batch_constrained(
         out[:, step] = nxt
         pos = pos + 1
         done = done | np.isin(nxt, stops) | (step + 1 >= limits)
-    return out, int(steered.sum())
+    return out, int(steered.sum()), cache
 
 
 def _cut_at_end(row: np.ndarray, stop_ids: np.ndarray) -> tuple[list[int], bool, int]:
@@ -246,11 +263,15 @@ def generate_detailed(
     overflow: Overflow = "error",
     matchers: Sequence[Any | None] | None = None,
     constraints: Any = None,
+    prefix_cache: Any = None,
 ) -> Generation:
     """Like :func:`generate`, also saying which rows finished and how many tokens were made.
 
     ``matchers`` (one per prompt, None for a free row) constrains decoding (module doc); it needs
-    ``constraints``, the ``needle.serve.constrain.Constraints`` that made them.
+    ``constraints``, the ``needle.serve.constrain.Constraints`` that made them. ``prefix_cache``
+    (a ``needle.serve.prefix_cache.PrefixCache`` of this model and params) supplies the keys and
+    values of prompt prefixes it has seen, so only the rest of each prompt is prefilled, and
+    keeps this call's prompts for later ones.
     """
     if matchers is not None and constraints is None:
         raise ValueError("matchers need the constraints that made them")
@@ -269,25 +290,35 @@ def generate_detailed(
     for start in range(0, len(order), rows):
         chunk = order[start : start + rows]
         bucket = bucket_for(max(len(prompts[i]) for i in chunk), max_len)
-        tokens = np.full((rows, bucket), pad_id, np.int32)
+        cache = init_cache(model, rows, min(max_len, bucket + max_new_tokens))
+        hits = [prefix_cache.match(prompts[i]) for i in chunk] if prefix_cache is not None else []
+        starts = np.zeros((rows,), np.int32)
+        if any(h.length for h in hits):  # else the plain prefill, exactly as without a cache
+            starts[: len(hits)] = [h.length for h in hits]
+            cache = prefix_cache.fill(cache, hits)  # batch-padding rows stay empty
+        tokens = np.full((rows, bucket_for(max(len(prompts[i]) - starts[r] for r, i in enumerate(chunk)), max_len)),
+                         pad_id, np.int32)  # fmt: skip
         lengths = np.ones((rows,), np.int32)
         limits = np.zeros((rows,), np.int32)
         for r, i in enumerate(chunk):
-            tokens[r, : len(prompts[i])] = prompts[i]
+            tokens[r, : len(prompts[i]) - starts[r]] = prompts[i][starts[r] :]
             lengths[r] = len(prompts[i])
             limits[r] = min(max_new_tokens, max_len - len(prompts[i]))
-        cache = init_cache(model, rows, min(max_len, bucket + max_new_tokens))
+        reused = starts if starts.any() else None
         row_matchers = [matchers[i] for i in chunk] + [None] * (rows - len(chunk)) if matchers else []
         if any(m is not None for m in row_matchers):
-            out, steered = _decode_batch_constrained(model, params, cache, tokens, lengths, limits, stops, pad_id,
-                                                     max_new_tokens, row_matchers, constraints)  # fmt: skip
+            out, steered, cache = _decode_batch_constrained(model, params, cache, tokens, lengths, limits, stops,
+                                                            pad_id, max_new_tokens, row_matchers, constraints,
+                                                            reused)  # fmt: skip
             n_steered += steered
         else:
             # stop/pad ids are traced, not static: one compiled program serves every tokenizer.
-            out = _decode_batch(
-                model, params, cache, tokens, lengths, limits, stops, np.int32(pad_id), max_new=max_new_tokens
+            out, cache = _decode_batch(
+                model, params, cache, tokens, lengths, limits, stops, np.int32(pad_id), reused, max_new=max_new_tokens
             )
             out = np.asarray(out)
+        if prefix_cache is not None:
+            prefix_cache.store([prompts[i] for i in chunk], cache)
         for r, i in enumerate(chunk):
             ids[i], finished[i], made = _cut_at_end(out[r, : limits[r]], stops)
             n_tokens += made

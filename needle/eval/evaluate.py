@@ -6,6 +6,10 @@ and a split: a prepared ``datasets.Dataset`` (needle.data.prepare columns) or a 
 format (``needle.data.chat.format_for(tokenizer)``: needle's template or the model's own Jinja
 template), greedily decodes it with the KV cache until a stop id (needle/eval/decode.py), parses
 the emitted calls with the format's parser and scores them (needle/eval/metrics.py).
+A conversation row is evaluated turn by turn (needle/data/turns.py): each assistant turn
+continues from the true history before it; turns that answer in words are scored by
+needle/eval/turn_metrics.py (``answers_in_text``, ``text_rouge_l``), whole conversations by
+``conversation_exact_match``, and their examples carry the turn's message index (``turn``).
 When the split carries ``ids``/``loss_mask`` it also reports ``val_loss`` (mean masked token
 cross-entropy of the target tokens) and ``perplexity``; otherwise those two keys are None.
 
@@ -47,15 +51,22 @@ from needle.data.batching import BatchPlan
 from needle.data.chat import format_for
 from needle.data.render import compact_json, encode_prompts
 from needle.data.schema import Row, parse_row, split_source
+from needle.data.turns import Turn, conversation_prompt, expand_turns
 from needle.errors import DataError, DataIssue
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.metrics import score_predictions
 from needle.eval.parse import ParsedCall
+from needle.eval.reply import read_reply
+from needle.eval.turn_metrics import score_conversations, score_text_turns
 from needle.hardware import BackendSettings, settings_for
 from needle.model.factory import module_for
 from needle.model.io import LoadedModel, load_model
 from needle.model.transformer import Transformer
 from needle.train.loss import model_loss_sum
+
+
+# Counts that decoding does not change: reported once, not again under ``constrained_``.
+_COUNTS = ("n", "n_with_calls", "n_offtopic", "n_turns", "n_text_turns", "n_conversations")
 
 
 @dataclass(frozen=True)
@@ -164,14 +175,15 @@ def evaluate_model(
     fmt = format_for(tok)
     model = module_for(loaded.model_cfg, None, settings)
     rows = rows_of(split, cfg.max_rows)
+    turns = expand_turns(rows)
     keep_bos = hasattr(fmt, "encode_prompt")
-    prompts, n_cut = fit_prompts(encode_prompts(fmt, rows, tok), model, cfg.max_new_tokens, keep_first=keep_bos)
-    free = _decode_and_score(model, loaded.params, tok, fmt, rows, prompts, cfg, None)
+    prompts, n_cut = fit_prompts(_prompts(fmt, turns, tok), model, cfg.max_new_tokens, keep_first=keep_bos)
+    free = _decode_and_score(model, loaded.params, tok, fmt, turns, prompts, cfg, None)
     scored, examples, gen, decode_s = free
     extra: dict[str, Any] = {}
     constrained_examples = None
     if cfg.constrained:
-        extra, constrained_examples = _constrained_metrics(model, loaded.params, tok, fmt, rows, prompts, cfg)
+        extra, constrained_examples = _constrained_metrics(model, loaded.params, tok, fmt, turns, prompts, cfg)
     val_loss = None
     if isinstance(split, datasets.Dataset) and {"ids", "loss_mask"} <= set(split.column_names):
         subset = split.select(range(len(rows))) if cfg.max_rows else split
@@ -190,15 +202,30 @@ def evaluate_model(
         examples=examples,
         wall_s=time.perf_counter() - started,
         tokens_per_s=gen.n_tokens / decode_s if decode_s > 0 else 0.0,
-        rows_per_s=len(rows) / decode_s if decode_s > 0 else 0.0,
+        rows_per_s=len(turns) / decode_s if decode_s > 0 else 0.0,
         constrained_examples=constrained_examples,
     )
 
 
-def _decode_and_score(model: Transformer, params: Any, tok: Any, fmt: Any, rows: list[Row], prompts: list[list[int]],
+def _prompts(fmt: Any, turns: list[Turn], tok: Any) -> list[list[int]]:
+    """Each turn's prompt: a query/answers row's as it always was, a conversation turn's its true
+    history (needle/data/turns.py ``conversation_prompt``)."""
+    single = [t.row for t in turns if t.row.messages is None]
+    encoded = iter(encode_prompts(fmt, single, tok) if single else [])
+    return [next(encoded) if t.row.messages is None else conversation_prompt(fmt, t.row, tok) for t in turns]
+
+
+def _decode_and_score(model: Transformer, params: Any, tok: Any, fmt: Any, turns: list[Turn], prompts: list[list[int]],
                       cfg: EvalConfig, constraints: Any) -> tuple[dict[str, Any], list[dict[str, Any]], Any, float]:  # fmt: skip
-    """Decode (free, or under ``constraints``), parse and score: (metrics, examples, generation, decode seconds)."""
-    matchers = [constraints.matcher(r.tools) for r in rows] if constraints is not None else None
+    """Decode (free, or under ``constraints``), parse and score: (metrics, examples, generation, decode seconds).
+
+    Turns that call (or answer ``[]``) are scored as calls; turns that answer in words by
+    needle/eval/turn_metrics.py; a conversation turn is decoded under the ``auto`` grammar (calls
+    or text), a query/answers row under ``calls`` as before.
+    """
+    matchers = None
+    if constraints is not None:
+        matchers = [constraints.matcher(t.row.tools, "calls" if t.row.messages is None else "auto") for t in turns]
     start = time.perf_counter()
     gen = generate_detailed(
         model,
@@ -214,16 +241,45 @@ def _decode_and_score(model: Transformer, params: Any, tok: Any, fmt: Any, rows:
     )
     decode_s = time.perf_counter() - start
     texts = [tok.decode(ids) for ids in gen.ids]
-    parsed = [fmt.parse(t) for t in texts]
+    calls = [i for i, t in enumerate(turns) if t.kind != "text"]
+    parsed = {i: fmt.parse(texts[i]) for i in calls}
     scored = score_predictions(
-        [{"tools": r.tools, "expected": r.answers, "predicted": p.calls} for r, p in zip(rows, parsed)]
+        [{"tools": turns[i].row.tools, "expected": turns[i].row.answers, "predicted": parsed[i].calls} for i in calls]
     )
-    flags = scored.pop("per_example")
-    examples = [_example_row(*args) for args in zip(rows, parsed, texts, gen.finished, flags)]
+    call_flags = dict(zip(calls, scored.pop("per_example")))
+    examples = [
+        _example_row(turns[i].row, parsed[i], texts[i], gen.finished[i], call_flags[i]) if i in call_flags else {}
+        for i in range(len(turns))
+    ]
+    if any(t.row.messages is not None for t in turns):
+        scored.update(_score_turns(fmt, turns, texts, gen.finished, call_flags, examples))
     return scored, examples, gen, decode_s
 
 
-def _constrained_metrics(model: Transformer, params: Any, tok: Any, fmt: Any, rows: list[Row],
+def _score_turns(fmt: Any, turns: list[Turn], texts: list[str], finished: list[bool],
+                 call_flags: dict[int, dict[str, Any]], examples: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """The multi-turn metrics (turn_metrics.py); fills the text turns' examples and tags each
+    conversation turn's example with its message index."""
+    text_idx = [i for i, t in enumerate(turns) if t.kind == "text"]
+    replies = {i: read_reply(fmt, texts[i]) for i in text_idx}
+    text = score_text_turns(
+        [{"reference": turns[i].text, "content": replies[i].content, "calls": replies[i].calls} for i in text_idx]
+    )
+    for i, flags in zip(text_idx, text.pop("per_example")):
+        r = replies[i]
+        predicted = r.content if r.content is not None else compact_json(r.calls) if r.calls else texts[i]
+        examples[i] = {"source": turns[i].row.source, "query": turns[i].row.query, "expected": turns[i].text,
+                       "predicted": predicted, "parse_error": r.error, "reasoning": None, "finished": finished[i],
+                       **flags}  # fmt: skip
+        call_flags[i] = {"exact": flags["answered_in_text"]}
+    for i, t in enumerate(turns):
+        if t.row.messages is not None:
+            examples[i] = {"turn": t.message, **examples[i]}
+    pairs = [(t.conversation, call_flags[i]["exact"]) for i, t in enumerate(turns) if t.row.messages is not None]
+    return {"n_turns": len(turns), **text, **score_conversations(pairs)}
+
+
+def _constrained_metrics(model: Transformer, params: Any, tok: Any, fmt: Any, turns: list[Turn],
                          prompts: list[list[int]], cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:  # fmt: skip
     """The ``constrained_*`` metrics and examples (module doc); a format without a grammar says why."""
     from needle.eval.constrain import Constraints, UnsupportedFormat
@@ -232,12 +288,12 @@ def _constrained_metrics(model: Transformer, params: Any, tok: Any, fmt: Any, ro
         constraints = Constraints.for_tokenizer(tok, fmt)
     except UnsupportedFormat as exc:
         return {"constrained_skipped": str(exc)}, None
-    scored, examples, gen, decode_s = _decode_and_score(model, params, tok, fmt, rows, prompts, cfg, constraints)
-    metrics = {f"constrained_{k}": v for k, v in scored.items() if k not in ("n", "n_with_calls", "n_offtopic")}
+    scored, examples, gen, decode_s = _decode_and_score(model, params, tok, fmt, turns, prompts, cfg, constraints)
+    metrics = {f"constrained_{k}": v for k, v in scored.items() if k not in _COUNTS}
     metrics.update(
         constrained_n_unfinished=sum(not f for f in gen.finished),
         constrained_n_steered=gen.n_steered,
-        constrained_rows_per_s=len(rows) / decode_s if decode_s > 0 else 0.0,
+        constrained_rows_per_s=len(turns) / decode_s if decode_s > 0 else 0.0,
         constrained_tokens_per_s=gen.n_tokens / decode_s if decode_s > 0 else 0.0,
     )
     return metrics, examples

@@ -65,6 +65,15 @@ def _check_layout(params: Params, cfg: ModelConfig) -> None:
         raise CheckpointMismatchError("save_model: params do not match the model config:\n  " + "\n  ".join(problems))
 
 
+def _local_checkpointer() -> ocp.StandardCheckpointer:
+    """A checkpointer that reads or writes in this process alone: a model directory is whole host
+    arrays, and under ``jax.distributed`` process 0 writes it while the others do not take part."""
+    me = jax.process_index()
+    return ocp.StandardCheckpointer(
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    )
+
+
 def save_model(
     model_dir: str | Path, params: Params, model_cfg: ModelConfig, tokenizer: Any, meta: dict[str, Any],
     adapter: Params | None = None,
@@ -85,7 +94,7 @@ def save_model(
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with _local_checkpointer() as ckptr:
             ckptr.save(staged / PARAMS_DIR, params)
             ckptr.wait_until_finished()
         (staged / CONFIG_FILE).write_text(json.dumps(model_cfg.model_dump(mode="json"), indent=2), encoding="utf-8")
@@ -142,10 +151,10 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
     meta = _read_json(root / META_FILE)
     # Pin every leaf to this process's default device: the saved sharding may name devices
     # (a GPU) that do not exist where the model is loaded.
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract_params(cfg))
     try:
-        with ocp.StandardCheckpointer() as ckptr:
+        with _local_checkpointer() as ckptr:
             params = ckptr.restore(root / PARAMS_DIR, target)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointMismatchError(f"{root / PARAMS_DIR}: params do not match {CONFIG_FILE}: {e}") from e

@@ -34,9 +34,15 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def rendered_texts(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Each row as Needle renders it (prompt + target), the text a stand-in tokenizer learns from."""
-    from needle.data.needle3_format import render_example
+    from needle.data.needle3_format import conversation_segments, render_example
+    from needle.data.schema import parse_row
 
-    return ["".join(render_example(r)) for r in rows]
+    def text(row: dict[str, Any]) -> str:
+        if "messages" in row:  # a conversation: its turns as Needle 3 continues them
+            return "".join(t for t, _ in conversation_segments(parse_row(row, "rendered_texts")))
+        return "".join(render_example(row))
+
+    return [text(r) for r in rows]
 
 
 def train_sp_model(texts: list[str], vocab_size: int) -> bytes:

@@ -24,6 +24,11 @@ offers (OpenAI's named ``tool_choice``) while the prompt still lists them all. O
 a turn is read back by needle/eval/reply.py; without the grammar (``constrained=False``) the
 mode and ``only`` are not enforced.
 
+Prompts share prefixes (an app's system turn and tool block, a conversation's earlier turns):
+their keys and values are kept in a ``PrefixCache`` (needle/serve/prefix_cache.py) of
+``prefix_cache_mb`` megabytes, by default ``NEEDLE_PREFIX_CACHE_MB`` or 256 (0 turns it off), and
+only the rest of each prompt is prefilled.
+
 Concurrent callers (the scoring server runs each request in a thread) are batched: while one
 decode runs, newly arrived rows queue; the next caller to find the decoder idle decodes every
 queued row (up to ``batch_size``, constrained and free rows together: matchers are per row) and
@@ -36,6 +41,7 @@ instead of waiting for four.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -48,9 +54,24 @@ from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.reply import read_reply
 from needle.model.io import LoadedModel
 from needle.model.factory import module_for
+from needle.serve.prefix_cache import PrefixCache
 from needle.serve.prompt import Request, conversation_prompt, conversation_row
 
 Prediction = list[dict[str, Any]] | dict[str, Any]
+PREFIX_CACHE_ENV = "NEEDLE_PREFIX_CACHE_MB"  # `needle serve --prefix-cache-mb` sets it for the pyfunc it loads
+DEFAULT_PREFIX_CACHE_MB = 256.0
+
+
+def prefix_cache_mb_from_env() -> float:
+    """The prefix cache's size in MB from ``NEEDLE_PREFIX_CACHE_MB`` (default 256; 0: off)."""
+    raw = os.environ.get(PREFIX_CACHE_ENV)
+    try:
+        mb = DEFAULT_PREFIX_CACHE_MB if raw is None else float(raw)
+    except ValueError:
+        raise ValueError(f"{PREFIX_CACHE_ENV}={raw!r} is not a number of megabytes") from None
+    if mb < 0:
+        raise ValueError(f"{PREFIX_CACHE_ENV}={raw!r}: megabytes cannot be negative")
+    return mb
 
 
 def checked_tools(tools: Any) -> list[dict[str, Any]]:
@@ -74,7 +95,7 @@ def _as_request(item: Any) -> Request:
 class Predictor:
     """A loaded model, its chat format and call grammars; thread-safe ``predict``."""
 
-    def __init__(self, loaded: LoadedModel, cfg: EvalConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, cfg: EvalConfig | None = None, prefix_cache_mb: float | None = None) -> None:
         self.loaded = loaded
         self.cfg = cfg or EvalConfig()
         self.tok = loaded.tokenizer
@@ -90,6 +111,8 @@ class Predictor:
         self._cv = threading.Condition()  # guards the queue and the busy flag (module doc)
         self._queue: list[_Pending] = []
         self._busy = False
+        mb = prefix_cache_mb_from_env() if prefix_cache_mb is None else prefix_cache_mb
+        self.prefix_cache = PrefixCache(self.model, int(mb * 2**20)) if mb > 0 else None
 
     def constraints(self) -> Any:
         """The model's ``Constraints`` (built once), or None when its format has no grammar."""
@@ -194,6 +217,7 @@ class Predictor:
                     self.model, self.loaded.params, [p.prompt for p in batch], max_new_tokens=self.cfg.max_new_tokens,
                     end_id=self.tok.stop_ids, pad_id=self.tok.pad_id, batch_size=size, overflow="shrink",
                     matchers=matchers if constrained else None, constraints=self._constraints if constrained else None,
+                    prefix_cache=self.prefix_cache,
                 )  # fmt: skip
                 for p, ids, finished in zip(batch, gen.ids, gen.finished):
                     p.ids, p.finished, p.ready = ids, finished, True

@@ -18,7 +18,8 @@ server has only ``/invocations``:
   message holds ``tool_calls`` or text ``content``. Both go through the pyfunc model's own
   ``predict`` (``needle.serve.requests.chat_answer``). A request that cannot be served (a bad
   conversation included) answers HTTP 400 with OpenAI's ``{"error": {...}}`` object (client
-  libraries raise ``BadRequestError``); the server keeps serving.
+  libraries raise ``BadRequestError``); a fault of the server's own (the decoder raising) answers
+  500 with ``"type": "server_error"``. Either way the server keeps serving.
 - ``GET /v1/models``: the one model, so ``client.models.list()`` works.
 
 ``stream: true`` answers OpenAI's server-sent event chunks of the same reply
@@ -98,8 +99,8 @@ def build_app(model: Any) -> Any:
         # The pyfunc's own predict (the chat shape of needle.serve.requests); a thread, so that
         # concurrent requests meet in the predictor's batch.
         answer = await asyncio.to_thread(caller.predict, None, body, {})
-        if "error" in answer:
-            return JSONResponse(answer, status_code=400)
+        if "error" in answer:  # the server's own fault is a 500, the request's a 400
+            return JSONResponse(answer, status_code=500 if answer["error"].get("type") == "server_error" else 400)
         if body.get("stream"):
             return StreamingResponse(sse_events(chunks(answer)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip

@@ -6,7 +6,8 @@ validated as a data row's (needle/data/conversation.py: roles in order, calls on
 with schema-valid arguments, every result answering an earlier call, every call answered), with
 a placeholder assistant turn appended; the model's own format then encodes it as training does
 (``encode_conversation``: needle's template, a model's Jinja template, Needle 3's turns, each
-segment tokenized on its own), and the prompt is every id before that last turn: the
+segment tokenized on its own), and the prompt is every id before that last turn
+(``conversation_prompt``, needle/data/turns.py, which evaluation uses for each held-out turn): the
 conversation so far plus the start of the next assistant turn (``<|assistant|>``,
 ``<|im_start|>assistant\\n``, the template's generation prompt).
 
@@ -17,12 +18,13 @@ conversation so far plus the start of the next assistant turn (``<|assistant|>``
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from needle.data.schema import Row, parse_row
-from needle.tokenizer_base import TokenizerLike
+from needle.data.turns import conversation_prompt
+
+__all__ = ["PLACEHOLDER", "Request", "conversation_prompt", "conversation_row"]
 
 PLACEHOLDER = {"role": "assistant", "content": None, "tool_calls": []}
 
@@ -77,20 +79,3 @@ def conversation_row(messages: Any, tools: Any, source: str = "request") -> Row:
         return parse_row({"messages": [*msgs, PLACEHOLDER], "tools": tools}, source)
     except ValueError as exc:
         raise ValueError(f"invalid conversation: {exc}") from None
-
-
-def conversation_prompt(fmt: Any, row: Row, tok: TokenizerLike) -> list[int]:
-    """The ids before the last assistant turn of ``row`` as ``fmt.encode_conversation`` encodes it."""
-    encode = getattr(fmt, "encode_conversation", None)
-    if encode is None:
-        raise ValueError(f"{fmt!r} cannot render conversations")
-    ex = encode(row, tok, sys.maxsize, loss_on="last_assistant")
-    end = len(ex.loss_mask)
-    while end and not ex.loss_mask[end - 1]:
-        end -= 1
-    start = end
-    while start and ex.loss_mask[start - 1]:
-        start -= 1
-    if start == end:
-        raise ValueError(f"{fmt!r}: the conversation's last assistant turn encodes to no tokens")
-    return list(ex.ids[:start])

@@ -6,7 +6,8 @@ in the OpenAI chat layout, a list; null in a query row), and ``tools`` (the tool
 string, or the list itself). One output row per input row with ``calls`` (the call list as a
 JSON string, ``"[]"`` for none; null on error), ``content`` (a conversation row's answer in
 words, else null) and ``error`` (null, or why the row could not be served). A query row answers
-a call list (``[]`` when no tool fits); a conversation row calls or answers in text. Over HTTP
+a call list (``[]`` when no tool fits); a conversation row calls or answers in text, as its
+optional ``tool_choice`` column says (the chat shape's values; null is ``auto``). Over HTTP
 the answer is ``{"predictions": [{"calls": …, "content": …, "error": …}, …]}``. (MLflow hands a
 chat body to the model as a one-row table with ``messages``: a one-row table is read as the
 table shape only when it has a ``query`` column, null for a conversation row.)
@@ -114,7 +115,9 @@ def _table_request(rec: Any) -> Request:
     if messages is not None:
         if query is not None:
             raise ValueError("a row has either 'query' or 'messages', not both")
-        return Request(messages=messages, tools=_tools_of(raw_tools), mode="auto")
+        tools = _tools_of(raw_tools)
+        mode, only = _choice(_cell(rec, "tool_choice"), tools)  # a table row may carry its own tool_choice
+        return Request(messages=messages, tools=tools, mode=mode, only=only)
     if query is None:
         raise ValueError("missing column 'query'")
     return Request(query=query, tools=_tools_of(raw_tools))
@@ -157,12 +160,13 @@ def _predict(predictor: Any, requests: list[Request], constrained: bool) -> list
     try:
         return predictor.predict(requests, constrained=constrained)
     except Exception as exc:  # noqa: BLE001  # a serving process must answer, not die
-        return [{"error": f"internal error: {type(exc).__name__}: {exc}", "raw": ""}] * len(requests)
+        return [{"error": f"internal error: {type(exc).__name__}: {exc}", "raw": "", "internal": True}] * len(requests)
 
 
-def chat_error(message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object (``invalid_request_error``)."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+def chat_error(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    """OpenAI's error object: ``invalid_request_error`` (the request's fault, HTTP 400) or
+    ``server_error`` (the server's, 500)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def _choice(choice: Any, tools: list[Any]) -> tuple[str, str | None]:
@@ -202,7 +206,7 @@ def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_n
         return chat_error(str(exc))
     pred = _predict(predictor, [request], constrained)[0]
     if isinstance(pred, dict) and "error" in pred:
-        return chat_error(pred["error"])
+        return chat_error(pred["error"], kind="server_error" if pred.get("internal") else "invalid_request_error")
     message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
     if isinstance(pred, dict):
         message["content"] = pred["content"]

@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 # Meta keys that describe where a checkpoint is, not what produced it: never compared.
 RUNTIME_KEYS = frozenset({"step", "shuffle_position", "tokenizer_path"})
 # Config keys a resume may change (with a warning): they shape the schedule, not the saved state.
-RESUMABLE_CHANGES = frozenset({"optim.lr", "optim.min_lr_ratio"})
+# train.fsdp is the layout over devices: a checkpoint restores into any layout (and process count).
+RESUMABLE_CHANGES = frozenset({"optim.lr", "optim.min_lr_ratio", "train.fsdp"})
 
 CHECKSUM_FILE = "needle_checksums.json"
 # Not content: orbax's commit markers and step metadata hold timestamps and may be rewritten

@@ -40,7 +40,8 @@ from needle.tokenizer import Tokenizer
 from needle.tracking import NoopTracker, Tracker
 from needle.train.checkpoint import Checkpointer, build_meta
 from needle.train.loop import TrainResult, checkpoint_hook, metrics_hook, train
-from needle.train.sharding import data_size, make_mesh
+from needle.train.distributed import is_primary
+from needle.train.sharding import data_size, fetch, make_mesh
 from needle.train.step import ApplyFn, TrainState, create_state
 
 log = logging.getLogger(__name__)
@@ -251,7 +252,7 @@ def train_with_checkpoints(
             state, saved_meta = restored
             start_step = int(saved_meta["step"])
             log.info("resuming %s training at step %d of %d", train_cfg.mode, start_step, train_cfg.steps)
-        if tokenizer is not None:
+        if tokenizer is not None and is_primary():
             save_tokenizer(tokenizer, out)
         hooks = [
             metrics_hook(lambda m, step: tracker.log_metrics(m, step=step), train_cfg.log_every),
@@ -288,7 +289,8 @@ def run_training(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tracker = tracker or NoopTracker()
+    # Only process 0 reports (several processes run one program: needle/train/distributed.py).
+    tracker = tracker if tracker is not None and is_primary() else NoopTracker()
     settings = with_overrides(settings or settings_for(jax.default_backend()), train_cfg)
     enable_compilation_cache(train_cfg.compilation_cache_dir)
     if tokenizer.vocab_size > model_cfg.vocab_size:
@@ -297,7 +299,7 @@ def run_training(
     configs = (model_cfg, train_cfg, optim_cfg, lora_cfg)
     state = build_state(*configs, base if base is not None else base_model_dir, settings)
     meta = resume_meta(prepared, tokenizer, configs, out)
-    mesh = make_mesh()
+    mesh = make_mesh(fsdp=train_cfg.fsdp)
     if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
         raise ValueError(f"batch_size={train_cfg.batch_size} does not divide across {data_size(mesh)} devices")
     plans = make_plans(prepared, train_cfg, model_cfg.max_len, tokenizer.pad_id, model_cfg)
@@ -329,10 +331,14 @@ def export_model(
     meta: dict[str, Any],
 ) -> Path:
     """Write the trained model in base layout (adapters merged) for eval, predict and the registry."""
-    params = jax.device_get(lora_lib.combine(state.trainable, state.frozen))
+    # Every process gathers (a collective); process 0 alone writes.
+    params = fetch(lora_lib.combine(state.trainable, state.frozen))
     adapter = None
     if lora_cfg is not None:
-        adapter = jax.device_get(state.trainable)  # kept unmerged too, for a PEFT export
+        adapter = fetch(state.trainable)  # kept unmerged too, for a PEFT export
         params = lora_lib.merge_lora(params, lora_cfg)
-    save_model(model_dir, params, model_cfg, tokenizer, meta, adapter=adapter)
+    # Host arrays: orbax refuses a single-device jax.Array once several processes are in the program.
+    params = jax.tree.map(np.asarray, params)
+    if is_primary():
+        save_model(model_dir, params, model_cfg, tokenizer, meta, adapter=adapter)
     return model_dir

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from needle.config import TrainConfig
 from needle.errors import NonFiniteLossError
 from needle.train.checkpoint import Checkpointer
-from needle.train.sharding import replicate, shard_batch
+from needle.train.sharding import place_state, shard_batch
 from needle.train.programs import StepPrograms
 from needle.train.step import TrainState, eval_step, train_step
 
@@ -243,8 +243,8 @@ def train(
     step's record before the hooks run, so they all see it.
     """
     total = train_cfg.steps
-    if mesh is not None:
-        state = replicate(state, mesh)
+    if mesh is not None:  # LoRA adapters stay replicated; full fine-tuning shards what it trains
+        state = place_state(state, mesh, shard_trainable=train_cfg.mode != "lora")
     history: list[dict[str, Any]] = []
     window = _Window()
     bar = _Progress(progress, start_step, total)

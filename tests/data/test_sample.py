@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ def test_bundled_sample_regenerates_byte_identical_and_validates(tmp_path: Path)
     paths = write_sample(tmp_path)
     for part in ("base", "new"):
         assert paths[part].read_bytes() == (BUNDLED / f"{part}.jsonl").read_bytes(), part
-    for part, n in (("base", 12000), ("new", 4000)):
+    for part, n in (("base", 12000), ("new", 4600)):  # new: 4,000 rows then 600 conversations
         report = validate_source(str(BUNDLED / f"{part}.jsonl"))
         assert report.ok, report.issues[:3]
         assert report.n_rows == n
@@ -64,7 +65,35 @@ def test_rows_pick_from_offered_tools_and_copy_values(part: str) -> None:
 
 
 def test_write_sample_writes_compact_utf8_jsonl(tmp_path: Path) -> None:
-    paths = write_sample(tmp_path, seed=1, n_base=5, n_new=3)
+    paths = write_sample(tmp_path, seed=1, n_base=5, n_new=3, n_conversations=2)
     text = paths["new"].read_text(encoding="utf-8")
-    assert text.endswith("\n") and len(text.splitlines()) == 3 and '", "' not in text
+    assert text.endswith("\n") and len(text.splitlines()) == 5 and '", "' not in text
+    assert [("messages" in json.loads(line)) for line in text.splitlines()] == [False] * 3 + [True] * 2
     assert validate_source(str(paths["base"])).ok
+
+
+def test_conversations_are_valid_loops_whose_answers_use_the_results() -> None:
+    from needle.data.conversation import calls_of
+    from needle.data.sample_conversations import MAX_CHARS, OUTCOMES, generate_conversations
+    from needle.data.schema import parse_row
+
+    raw = generate_conversations(60, seed=0)
+    assert raw == generate_conversations(60, seed=0) and raw != generate_conversations(60, seed=1)
+    new = {t.name for t in NEW_TOOLS}
+    for i, obj in enumerate(raw):
+        assert len(json.dumps(obj, separators=(",", ":"))) <= MAX_CHARS
+        row = parse_row(obj, f"conv:{i + 1}")  # validates roles, call ids, schemas
+        roles = [m["role"] for m in row.messages]
+        shape = ("answer", "chain", "error")[i % 3]
+        assert roles == {"answer": ["user", "assistant", "tool", "assistant"],
+                         "chain": ["user", "assistant", "tool", "assistant", "tool", "assistant"],
+                         "error": ["user", "assistant", "tool", "assistant"]}[shape]  # fmt: skip
+        calls = [c for m in row.messages if m["role"] == "assistant" for c in calls_of(m)]
+        assert calls and {c["name"] for c in calls} <= new
+        final = row.messages[-1]["content"]
+        results = [json.loads(m["content"]) for m in row.messages if m["role"] == "tool"]
+        if shape == "error":
+            assert "error" in results[0] and results[0]["error"] in final and final.endswith("?")
+            continue
+        for call, result in zip(calls, results):
+            assert OUTCOMES[call["name"]][1](call["arguments"], result) in final

@@ -60,6 +60,19 @@ def test_chat_without_calls_and_bad_chat_bodies() -> None:
     assert out["error"]["type"] == "invalid_request_error" and "900" in out["error"]["message"]
 
 
+class BrokenPredictor:
+    def predict(self, requests, constrained=True):
+        raise RuntimeError("decoder fault")
+
+
+def test_a_fault_of_the_server_is_a_server_error_not_the_requests() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": []}
+    out = answer(BrokenPredictor(), body, {})
+    assert out["error"]["type"] == "server_error" and "decoder fault" in out["error"]["message"]
+    table = answer(BrokenPredictor(), pd.DataFrame({"query": ["hi"], "tools": ["[]"]}), {})
+    assert table["error"][0].startswith("internal error: RuntimeError")
+
+
 CONVERSATION = [
     {"role": "user", "content": "text Bob"},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
@@ -103,6 +116,13 @@ def test_table_rows_may_be_conversations() -> None:
     assert both["error"][0] == "a row has either 'query' or 'messages', not both"
     chat = answer(fake, pd.DataFrame([{"messages": CONVERSATION, "tools": [TOOL]}]), {})
     assert chat["object"] == "chat.completion"  # as MLflow hands a chat body over
+    # Each conversation row's own tool_choice sets its mode.
+    choices = pd.DataFrame({"query": [None, None, None], "messages": [CONVERSATION] * 3, "tools": [[TOOL]] * 3,
+                            "tool_choice": ["none", None, {"type": "function", "function": {"name": "nope"}}]})  # fmt: skip
+    out = answer(fake, choices, {})
+    assert fake.seen[-1][0] == [Request(messages=CONVERSATION, tools=[TOOL], mode="none"),
+                                Request(messages=CONVERSATION, tools=[TOOL], mode="auto")]  # fmt: skip
+    assert "'nope', which is not among the offered tools" in out["error"][2]
 
 
 def test_stream_chunks_reassemble_to_the_reply() -> None:

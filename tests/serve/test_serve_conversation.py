@@ -177,3 +177,19 @@ def test_each_family_prompts_and_reads_calls_or_text(name: str, tmp_path: Path) 
         assert accepted == ok, (name, mode, answer, m.get_error())
     assert read_reply(fmt, CALLS[name]).calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
     assert read_reply(fmt, text).content == "Yes, it rains."
+
+
+def test_a_text_answer_is_not_closed_early_and_says_it_was_cut(tiny_model_dir) -> None:
+    """Steering (CLOSE_RESERVE) closes call lists near the budget's end; text runs to the budget,
+    so a cut answer reports ``finished: False`` (``finish_reason: "length"``), not an early stop."""
+    from needle.config import EvalConfig
+
+    loaded = load_model(tiny_model_dir)
+    predictor = Predictor(loaded, EvalConfig(max_new_tokens=40))
+    (text,) = predictor.predict([Request(messages=SO_FAR, tools=TOOLS, mode="none")], constrained=True)
+    (free,) = predictor.predict([Request(messages=SO_FAR, tools=TOOLS, mode="none")], constrained=False)
+    assert isinstance(text, dict) and "content" in text, text
+    # The random model never stops by itself here (free decoding runs out too), so neither may the grammar.
+    assert free.get("finished") is False or "error" in free, free
+    assert text["finished"] is False
+    assert len(loaded.tokenizer.encode(text["content"])) > 40 - 24

@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from test_checkpoint import _data_files, _flip_bytes
-from train_helpers import LORA, finetune_configs, tiny_prepared, tiny_tokenizer
+from train_helpers import LORA, finetune_configs, scratch_reference, tiny_prepared, tiny_tokenizer
 
 from needle.config import OptimConfig
 from needle.errors import CheckpointMismatchError, NonFiniteLossError
@@ -77,11 +77,7 @@ def test_scratch_then_lora_export_resume_and_refusal(tmp_path: Path) -> None:
 
 def test_resume_after_sigkill_between_saves_matches_the_uninterrupted_run(tmp_path: Path) -> None:
     steps = 8
-    prepared, tok = tiny_prepared(), tiny_tokenizer()
-    data_dir, tok_dir = prepared.save(tmp_path / "data"), tmp_path / "tok"
-    tok.save(tok_dir)
-    model_cfg, train, optim = finetune_configs("scratch", steps=steps)
-    reference = run_training(prepared, tok, model_cfg, train, optim, out_dir=tmp_path / "reference")
+    _, _, data_dir, tok_dir, _, reference = scratch_reference(tmp_path, steps)
 
     out = tmp_path / "killed"
     cmd = [sys.executable, str(WORKER), "finetune", str(data_dir), str(tok_dir), str(out), str(steps)]

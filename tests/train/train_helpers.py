@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+from typing import Any
 
 import datasets
 import jax
@@ -98,3 +100,19 @@ def finetune_configs(mode: str, steps: int = 6, **train_overrides) -> tuple[Mode
     model = model_preset("tiny", max_len=MAX_LEN)
     train = train_cfg(mode=mode, steps=steps, checkpoint_every=2, log_every=1, eval_every=0, **train_overrides)
     return model, train, OptimConfig(lr=1e-2, warmup_steps=0)
+
+
+def scratch_reference(tmp_path: Path, steps: int) -> tuple[Any, ...]:
+    """For the kill tests: the tiny data and tokenizer, saved under ``tmp_path`` for child
+    processes, the scratch configs, and the uninterrupted run's result in ``tmp_path/reference``.
+
+    Returns ``(prepared, tok, data_dir, tok_dir, (model_cfg, train, optim), reference)``.
+    """
+    from needle.train.finetune import run_training
+
+    prepared, tok = tiny_prepared(), tiny_tokenizer()
+    data_dir, tok_dir = prepared.save(tmp_path / "data"), tmp_path / "tok"
+    tok.save(tok_dir)
+    configs = finetune_configs("scratch", steps=steps)
+    reference = run_training(prepared, tok, *configs, out_dir=tmp_path / "reference")
+    return prepared, tok, data_dir, tok_dir, configs, reference

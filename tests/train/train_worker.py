@@ -1,7 +1,9 @@
 """Child process for tests/train: multi-device losses and killable training runs.
 
     python tests/train/train_worker.py losses STEPS BATCH_SIZE          # prints JSON losses
-    python tests/train/train_worker.py finetune DATA_DIR TOK_DIR OUT_DIR STEPS SLEEP_S
+    python tests/train/train_worker.py fsdp STEPS BATCH_SIZE FSDP MODE  # losses, shard shares, params.npz
+    python tests/train/train_worker.py group COORD N RANK STEPS BATCH_SIZE FSDP MODE  # one of N processes
+    python tests/train/train_worker.py finetune DATA_DIR TOK_DIR OUT_DIR STEPS SLEEP_S [COORD N RANK FSDP]
 
 ``losses`` trains the tiny model on every visible device (run it with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``). ``finetune`` calls ``run_training``
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +27,39 @@ from needle.data.prepare import PreparedData
 from needle.tokenizer import Tokenizer
 from needle.train.finetune import run_training
 from needle.train.loop import train
-from needle.train.sharding import make_mesh, shard_batch
+from needle.train.distributed import ProcessGroup, initialize
+from needle.train.sharding import fetch, make_mesh, shard_batch
+
+
+def run_losses(steps: int, batch_size: int, fsdp: int = 1, mode: str = "scratch") -> tuple[list[float], Any]:
+    """Per-step losses and the final state of the tiny model over every local device, ``fsdp`` of
+    them on the mesh's fsdp axis."""
+    cfg = train_cfg(steps=steps, batch_size=batch_size, log_every=1, mode=mode, fsdp=fsdp)
+    mesh = make_mesh(fsdp=fsdp)
+    result = train(make_state(mode, steps=steps), make_plan(batch_size=batch_size), cfg, mesh=mesh, progress=False)
+    return [record["loss"] for record in result.history], result.state
 
 
 def collect_losses(steps: int, batch_size: int) -> list[float]:
     """Per-step losses of the tiny model data-parallel over every local device."""
-    cfg = train_cfg(steps=steps, batch_size=batch_size, log_every=1)
-    result = train(make_state(steps=steps), make_plan(batch_size=batch_size), cfg, mesh=make_mesh(), progress=False)
-    return [record["loss"] for record in result.history]
+    return run_losses(steps, batch_size)[0]
+
+
+def flat_params(state: Any) -> dict[str, np.ndarray]:
+    """The trained and frozen parameters by path, as host arrays."""
+    leaves = jax.tree_util.tree_leaves_with_path({"trainable": state.trainable, "frozen": state.frozen})
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def shard_fractions(state: Any) -> dict[str, float]:
+    """Per large parameter leaf: the share of its elements device 0 holds."""
+    out = {}
+    leaves = jax.tree_util.tree_leaves_with_path({"trainable": state.trainable, "frozen": state.frozen})
+    for path, leaf in leaves:
+        if leaf.size >= 1024:
+            shard = next(s for s in leaf.addressable_shards if s.device == jax.local_devices()[0])
+            out[jax.tree_util.keystr(path)] = shard.data.size / leaf.size
+    return out
 
 
 class SlowTracker:
@@ -57,9 +85,26 @@ def main(argv: list[str]) -> None:
         except ValueError as err:
             rejected = str(err)
         print(json.dumps({"devices": jax.device_count(), "losses": losses, "rejected": rejected}))
+    elif argv[0] == "fsdp":  # fsdp STEPS BATCH FSDP MODE: losses, shard shares, params.npz in the cwd
+        losses, state = run_losses(int(argv[1]), int(argv[2]), int(argv[3]), argv[4])
+        np.savez("params.npz", **flat_params(state))
+        print(json.dumps({"devices": jax.device_count(), "losses": losses, "shares": shard_fractions(state)}))
+    elif argv[0] == "group":  # one process of N: the fsdp command's output, params.npz from process 0
+        initialize(ProcessGroup(argv[1], int(argv[2]), int(argv[3])))
+        losses, state = run_losses(*(int(a) for a in argv[4:7]), argv[7])
+        shares = shard_fractions(state)
+        params = fetch({"trainable": state.trainable, "frozen": state.frozen})
+        if jax.process_index() == 0:
+            np.savez("params.npz", **flat_params(SimpleNamespace(**params)))
+        print(json.dumps({"devices": jax.device_count(), "process": jax.process_index(), "losses": losses,
+                          "shares": shares}))  # fmt: skip
     elif argv[0] == "finetune":
         data_dir, tok_dir, out_dir, steps, sleep_s = argv[1:6]
-        model_cfg, train, optim = finetune_configs("scratch", steps=int(steps))
+        fsdp = 1
+        if len(argv) > 6:  # one process of a group
+            initialize(ProcessGroup(argv[6], int(argv[7]), int(argv[8])))
+            fsdp = int(argv[9])
+        model_cfg, train, optim = finetune_configs("scratch", steps=int(steps), fsdp=fsdp)
         run_training(
             PreparedData.load(data_dir), Tokenizer.load(tok_dir), model_cfg, train, optim,
             out_dir=Path(out_dir), tracker=SlowTracker(float(sleep_s)),  # type: ignore[arg-type]
