@@ -115,15 +115,30 @@ def _conversations(rows: list[dict], turns: int, n: int, skip: int) -> list[list
     for c in range(n):
         history, requests = [system], []
         for t in range(turns):
-            messages = rows[(skip + c * turns + t) % len(rows)]["messages"]
+            messages = _renumber(rows[(skip + c * turns + t) % len(rows)]["messages"], f"t{t}_")
             requests.append([*history, messages[0]])
             history += messages
         out.append(requests)
     return out
 
 
+def _renumber(messages: list[dict], prefix: str) -> list[dict]:
+    """``messages`` with their tool-call ids made unique in the joined conversation (each sample
+    conversation numbers its own from call_1)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "id": prefix + c["id"]} for c in m["tool_calls"]]
+        if m.get("tool_call_id"):
+            m["tool_call_id"] = prefix + m["tool_call_id"]
+        out.append(m)
+    return out
+
+
 def prefix_speed(n_conversations: int, work: Path, turns: tuple[int, ...] = (1, 3, 6)) -> dict:
     """The last turn's latency with the prefix cache off and on (module doc)."""
+    from needle.config import EvalConfig
     from needle.data.sample_tools import NEW_TOOLS
     from needle.model.io import load_model
     from needle.serve.engine import DEFAULT_PREFIX_CACHE_MB, Predictor
@@ -135,33 +150,42 @@ def prefix_speed(n_conversations: int, work: Path, turns: tuple[int, ...] = (1, 
     rows = [r for r in map(json.loads, lines) if "messages" in r]
     result: dict[str, Any] = {"model": "random-init small, max_len 2048", "tools": len(tools),
                               "conversations": n_conversations, "cache_mb": DEFAULT_PREFIX_CACHE_MB}  # fmt: skip
+    # first_token: a budget of one token (prefill and one step, what the cache shortens); reply:
+    # the default budget, whose decode steps the cache does not change.
+    budgets = {"first_token": EvalConfig(max_new_tokens=1), "reply": None}
     for k in turns:
         entry: dict[str, Any] = {}
-        for label, mb in (("off", 0.0), ("on", DEFAULT_PREFIX_CACHE_MB)):
-            predictor = Predictor(loaded, prefix_cache_mb=mb)
-            ask = lambda messages: predictor.predict([Request(messages=messages, tools=tools, mode="auto")])  # noqa: E731
-            for conversation in _conversations(rows, k, 4, skip=300):  # warm-up: compiles the shapes
-                for messages in conversation:
-                    ask(messages)
-            latencies, prompt_tokens = [], []
-            for conversation in _conversations(rows, k, n_conversations, skip=0):
-                for messages in conversation[:-1]:  # the turns before, as the client sent them
-                    ask(messages)
-                start = time.perf_counter()
-                ask(conversation[-1])
-                latencies.append(time.perf_counter() - start)
-            entry[label] = {"latency_p50_s": statistics.median(latencies), "latency_p95_s": _pct(latencies, 0.95)}
-            if predictor.prefix_cache is not None:
-                stats = predictor.prefix_cache.stats()
-                entry[label]["reused_token_share"] = stats["hit_tokens"] / stats["prompt_tokens"]
-                entry[label]["cache_bytes"] = stats["bytes"]
-        entry["p50_speedup"] = entry["off"]["latency_p50_s"] / entry["on"]["latency_p50_s"]
+        for what, cfg in budgets.items():
+            replies = {}
+            for label, mb in (("off", 0.0), ("on", DEFAULT_PREFIX_CACHE_MB)):
+                predictor = Predictor(loaded, cfg, prefix_cache_mb=mb)
+                ask = lambda messages: predictor.predict([Request(messages=messages, tools=tools, mode="auto")])  # noqa: E731
+                for conversation in _conversations(rows, k, 4, skip=300):  # warm-up: compiles the shapes
+                    for messages in conversation:
+                        ask(messages)
+                latencies, replies[label] = [], []
+                for conversation in _conversations(rows, k, n_conversations, skip=0):
+                    for messages in conversation[:-1]:  # the turns before, as the client sent them
+                        ask(messages)
+                    start = time.perf_counter()
+                    replies[label].append(ask(conversation[-1]))
+                    latencies.append(time.perf_counter() - start)
+                got = {"latency_p50_s": statistics.median(latencies), "latency_p95_s": _pct(latencies, 0.95)}
+                if predictor.prefix_cache is not None:
+                    stats = predictor.prefix_cache.stats()
+                    got |= {"reused_token_share": stats["hit_tokens"] / stats["prompt_tokens"], "cache_bytes": stats["bytes"]}
+                entry.setdefault(what, {})[label] = got
+            entry[what]["p50_speedup"] = entry[what]["off"]["latency_p50_s"] / entry[what]["on"]["latency_p50_s"]
+            entry[what]["same_replies"] = sum(a == b for a, b in zip(replies["off"], replies["on"]))
         last = Request(messages=_conversations(rows, k, 1, skip=0)[0][-1], tools=tools, mode="auto")
         entry["prompt_tokens_last_turn"] = len(predictor._prompt(last, 0)[0])
         result[f"turns_{k}"] = entry
-        print(f"{k} turns: off p50 {entry['off']['latency_p50_s']:.3f} s p95 {entry['off']['latency_p95_s']:.3f} s; "
-              f"on p50 {entry['on']['latency_p50_s']:.3f} s p95 {entry['on']['latency_p95_s']:.3f} s "
-              f"({entry['p50_speedup']:.2f}x)", flush=True)  # fmt: skip
+        for what in budgets:
+            e = entry[what]
+            print(f"{k} turns ({entry['prompt_tokens_last_turn']} tokens), {what}: off p50 {e['off']['latency_p50_s']:.3f} s "
+                  f"p95 {e['off']['latency_p95_s']:.3f} s; on p50 {e['on']['latency_p50_s']:.3f} s p95 "
+                  f"{e['on']['latency_p95_s']:.3f} s ({e['p50_speedup']:.2f}x, {e['same_replies']}/{n_conversations} "
+                  "replies equal)", flush=True)  # fmt: skip
     return result
 
 
