@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m flows.cli finetune data/sample/new.jsonl --preset small --base auto
+	$(PY) -m needle_flows.cli finetune data/sample/new.jsonl --preset small --base auto
 
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout=900
@@ -36,7 +36,7 @@ bench: $(STAMP)
 # The champion of the local store over HTTP: MLflow /invocations and OpenAI /v1/chat/completions.
 serve: $(STAMP)
 	MLFLOW_TRACKING_URI=$${MLFLOW_TRACKING_URI:-sqlite:///$(CURDIR)/.state/mlflow.db} \
-	  $(PY) -m flows.cli serve models:/needle@champion --host 127.0.0.1 --port $${PORT:-5123}
+	  $(PY) -m needle_flows.cli serve models:/needle@champion --host 127.0.0.1 --port $${PORT:-5123}
 
 # The documentation site (mkdocs.yml): the docs extra on top of the install; the reference pages
 # are generated from the code at every build (docs/gen_ref.py), into .cache/site.

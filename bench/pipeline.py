@@ -79,7 +79,7 @@ def measure_local(base: Path, steps: int) -> dict[str, Any]:
         bare = _timed([sys.executable, "-m", "bench.pipeline", "_bare", str(base), str(steps), f"{tmp}/bare"], env)
         flow_env = {**env, "NEEDLE_STATE_DIR": f"{tmp}/state", "PREFECT_HOME": f"{tmp}/state/prefect",
                     "MLFLOW_TRACKING_URI": f"sqlite:///{tmp}/state/mlflow.db"}
-        cmd = [sys.executable, "-m", "flows.cli", "finetune", str(DATA), "--preset", PRESET,
+        cmd = [sys.executable, "-m", "needle_flows.cli", "finetune", str(DATA), "--preset", PRESET,
                "--base", str(base), "--steps", str(steps)]
         cold = _timed(cmd, flow_env)
         # Same state: Prefect's DB exists, prepared data is cached. Forced, because the same

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _newest_model() -> Path | None:
     """The newest tuned ``small`` model in the state dir's fine-tune folders (the main job's), or None."""
-    from flows.paths import state_dir
+    from needle_flows.paths import state_dir
 
     found = []
     # <state>/finetune/<mode>-<digest>/model since the fine-tune folder is keyed by its inputs;

@@ -7,7 +7,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${NEEDLE_STACK_DIR:-$ROOT/.state/stack}"
 GRACE="${STACK_GRACE:-20}"
-SERVICES=(worker mlflow-server prefect-server)
+SERVICES=(worker ray-worker ray-head mlflow-server prefect-server)
 
 alive() { kill -0 -- "-$1" 2>/dev/null; }
 

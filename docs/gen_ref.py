@@ -32,12 +32,12 @@ CONFIG_MODULES = {
     "needle.config": ["ModelConfig", "RopeScaling", "Needle3Config", "LoraConfig", "OptimConfig", "TrainConfig",
                       "DataConfig", "EvalConfig", "ClusterConfig"],
     "needle.gate": ["GateRule"],
-    "flows.params": ["FinetuneParams"],
-    "flows.sweep": ["SweepParams", "Dimension"],
+    "needle_flows.params": ["FinetuneParams"],
+    "needle_flows.sweep": ["SweepParams", "Dimension"],
 }
 # Classes whose fields carry no description yet (their docstring says what they are); any other
 # field without one fails the build. Remove an entry once its fields are described.
-UNDESCRIBED_OK = {"flows.sweep.Dimension"}
+UNDESCRIBED_OK = {"needle_flows.sweep.Dimension"}
 
 
 class ReferenceError(Exception):
@@ -163,7 +163,7 @@ def _walk(parser: argparse.ArgumentParser, path: list[str], out: list[str], miss
 
 
 def cli_page() -> str:
-    from flows.cli import add_data, add_finetune
+    from needle_flows.cli import add_data, add_finetune
     from needle.cli import build_parser
 
     parser = build_parser(extensions=[add_finetune, add_data])

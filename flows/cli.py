@@ -1,7 +1,7 @@
 """The `needle` console script: the library's commands (needle.cli) plus `finetune`, the flow.
 
     needle finetune data/sample/new.jsonl --preset small --base auto   # = make run
-    python -m flows.cli finetune DATA [--base DIR] [--steps N] [--params '{"lora": {"rank": 8}}']
+    python -m needle_flows.cli finetune DATA [--base DIR] [--steps N] [--params '{"lora": {"rank": 8}}']
 
 `finetune` runs the Prefect flow in-process on Prefect's ephemeral API with Prefect and MLflow
 state under .state/ (or $NEEDLE_STATE_DIR). The environment it needs is set here, in the entry
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from flows.paths import state_dir, tracking_uri
+from needle_flows.paths import state_dir, tracking_uri
 from needle import cli as needle_cli
 from needle.config import preset_names
 from needle.errors import UsageError
@@ -46,7 +46,7 @@ def add_data(sub: Any) -> None:
 
 
 def _cmd_data_add(args: Any) -> int:
-    from flows.landing import announce, land, landing_dir
+    from needle_flows.landing import announce, land, landing_dir
 
     overrides = parse_params(args.params)
     folder = Path(args.landing).resolve() if args.landing else landing_dir()
@@ -113,9 +113,9 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     from prefect.context import SettingsContext
     from prefect.settings import Settings
 
-    from flows import run_record as rec
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows import run_record as rec
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.mlflow_tracker import check_tracking
 
     from pydantic import ValidationError

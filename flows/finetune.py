@@ -22,16 +22,16 @@ from typing import Any, Optional
 
 from prefect import flow, runtime
 
-from flows import gate_record
-from flows import run_record as rec
-from flows.params import FinetuneParams
-from flows.paths import resolve_source, state_dir, tracking_uri
+from needle_flows import gate_record
+from needle_flows import run_record as rec
+from needle_flows.params import FinetuneParams
+from needle_flows.paths import resolve_source, state_dir, tracking_uri
 from needle import pipeline
 from needle.gate import overlap_count
 from needle.pipeline import config_digest
 from needle.tracking import MlflowTracker, redact_logs
-from tasks.stages import base, champion, evaluate, export, fingerprint, finetune, gate, prepare, probe, register
-from tasks.stages import unchanged, validate
+from needle_tasks.stages import base, champion, evaluate, export, fingerprint, finetune, gate, prepare, probe, register
+from needle_tasks.stages import unchanged, validate
 
 
 @flow(name="needle", log_prints=True)

@@ -14,7 +14,7 @@ from typing import Any
 import mlflow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows.run_record import MlflowRun
+from needle_flows.run_record import MlflowRun
 from needle.gate import GateOutcome, decision_table
 from needle.tracking import Tracker, redact_uri
 

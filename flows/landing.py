@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from flows.paths import state_dir
+from needle_flows.paths import state_dir
 from needle.data.load import file_digest, source_digest, validate_source
 from needle.errors import DataError, DataIssue
 

@@ -4,7 +4,7 @@ Prefect validates a deployment run's parameters against this model before the ru
 the nested configs reject unknown keys, so a typo (``--param params='{"lora": {"rnak": 8}}'``)
 is refused instead of silently ignored.
 
-    from flows.params import FinetuneParams
+    from needle_flows.params import FinetuneParams
     FinetuneParams(preset="tiny", steps=5, lora={"rank": 4})
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flows.paths import resolve_source
+from needle_flows.paths import resolve_source
 from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
 from needle.config import preset_names, training_configs
 from needle.gate import DEFAULT_GATE, GateRule

@@ -6,7 +6,7 @@ owner stops at exit; after a `kill -9` of the owner nobody does, and it keeps li
 owner once a second, remembers the owner's Prefect server children, and terminates them once
 the owner is gone; then it exits. It is started only when no PREFECT_API_URL is configured.
 
-    python -m flows.reaper <owner-pid> <owner-create-time>   # what watch_ephemeral_server runs
+    python -m needle_flows.reaper <owner-pid> <owner-create-time>   # what watch_ephemeral_server runs
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def watch_ephemeral_server() -> Optional[subprocess.Popen[bytes]]:
 
     me = psutil.Process()
     _started = subprocess.Popen(
-        [sys.executable, "-m", "flows.reaper", str(me.pid), f"{me.create_time():.2f}"],
+        [sys.executable, "-m", "needle_flows.reaper", str(me.pid), f"{me.create_time():.2f}"],
         start_new_session=True,  # a kill of the owner's process group leaves the watchdog to clean up
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

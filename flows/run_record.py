@@ -4,7 +4,7 @@ Kept apart from the flow so the flow reads as the pipeline it runs. Everything h
 MLflow through ``MlflowClient`` with an explicit run id (thread-safe; see needle.tracking),
 except ``start_run``/``end_*``, which own the flow thread's active run.
 
-    run = start_run(tracking_uri(state_dir()))       # (flows.paths)
+    run = start_run(tracking_uri(state_dir()))       # (needle_flows.paths)
     record_inputs(run, tracker, ...); record_results(run, tracker, ...); end_finished(run, tracker, out)
 """
 
@@ -21,9 +21,9 @@ from mlflow.tracking import MlflowClient
 from prefect import runtime
 from prefect.artifacts import create_markdown_artifact
 
-from flows.params import FinetuneParams
-from flows.paths import CHECKOUT, state_dir
-from flows.reaper import watch_ephemeral_server
+from needle_flows.params import FinetuneParams
+from needle_flows.paths import CHECKOUT, state_dir
+from needle_flows.reaper import watch_ephemeral_server
 from needle import pipeline
 from needle.data.prepare import TOKENIZER_SUBDIR
 from needle.mlflow_tracker import HEARTBEAT_TAG, MlflowTracker, check_tracking, tracking_reachable

@@ -4,7 +4,9 @@ One parent MLflow run per flow run (experiment `needle/sweep`, `needle-local` em
 search space, the sampler, the best trial and a plot of the objective; each trial is a child run
 (tag ``mlflow.parentRunId``) with the same params, curves and evaluation as a finetune run, so the
 MLflow UI expands the parent to its children and compares them key by key. Trials run
-``n_jobs`` at a time (default: the machine's cores, at most the trial count). A trial that fails
+``n_jobs`` at a time (default: the machine's cores, at most the trial count). With ``cluster``,
+each trial trains on a Ray cluster's workers (``needle/train/launch.py``) while the study, the
+MLflow records and evaluation stay here, so trials spread over the cluster. A trial that fails
 (a bad value in the space, a NaN loss) is a FAILED child with its reason, recorded in the study as
 failed; the sweep goes on. The best trial's model then goes through the same gate as a finetune
 run and is registered: alias champion if it wins, challenger if it loses.
@@ -27,13 +29,14 @@ from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from flows import run_record as rec
-from flows.finetune import gate_and_register
-from flows.params import FinetuneParams
-from flows.paths import resolve_source, state_dir, tracking_uri
+from needle_flows import run_record as rec
+from needle_flows.finetune import gate_and_register
+from needle_flows.params import FinetuneParams
+from needle_flows.paths import resolve_source, state_dir, tracking_uri
 from needle import pipeline
+from needle.config import ClusterConfig
 from needle.tracking import MlflowTracker, redact_logs, redact_uri
-from tasks.stages import fingerprint, probe, validate
+from needle_tasks.stages import fingerprint, probe, validate
 
 log = logging.getLogger("needle.sweep")
 TRIALS_KEY = "needle-sweep-trials"
@@ -85,8 +88,17 @@ class SweepParams(BaseModel):
     objective: Literal["exact_match", "val_loss"] = Field(
         "exact_match", description="exact_match on the test split (maximised) or the final val_loss (minimised)"
     )
-    n_jobs: Optional[int] = Field(None, gt=0, description="trials at once (None: the machine's cores)")
+    n_jobs: Optional[int] = Field(None, gt=0, description="trials at once (None: the machine's cores, or on a "
+                                  "cluster its CPUs over each trial's workers)")
+    cluster: Optional[ClusterConfig] = Field(
+        None, description="train each trial on this Ray cluster (address, else $RAY_ADDRESS) on `workers` of its "
+        "workers; the study, tracking and evaluation stay in the flow run. None: trials train in the flow's process"
+    )
     seed: int = Field(0, description="the sampler's seed")
+    storage: Optional[str] = Field(
+        None, description="an Optuna storage URL for the study (sqlite:////abs/path.db on one machine, a database "
+        "URL for many; the study is named needle-sweep-<parent run id>); None: in the flow run's memory"
+    )
 
     @model_validator(mode="after")
     def _grid_is_discrete(self) -> "SweepParams":
@@ -108,10 +120,32 @@ class SweepParams(BaseModel):
         return FinetuneParams(**{**merged, "force": True})
 
 
-def n_parallel(p: SweepParams) -> int:
-    """Trials at once: n_jobs, else the cores this process may use; never more than the trials."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def n_parallel(p: SweepParams, cluster_cpus: Optional[int] = None) -> int:
+    """Trials at once: n_jobs, else the cores this process may use (on a cluster: its CPUs over
+    each trial's workers); never more than the trials."""
+    if cluster_cpus is not None and p.cluster is not None:
+        cores = cluster_cpus // p.cluster.workers
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(p.n_jobs or cores, p.n_trials))
+
+
+def join_cluster(p: SweepParams) -> tuple[Optional[ClusterConfig], Optional[int]]:
+    """The cluster each trial trains on, with its address resolved, and its CPU count; (None, None)
+    without one. Connecting here first means the trials' launches share this one connection."""
+    if p.cluster is None:
+        return None, None
+    from needle.train.launch import connect_ray, ray_address
+
+    address = ray_address(p.cluster)
+    if not address:
+        raise ValueError("a sweep on Ray needs a running cluster: set cluster.address or RAY_ADDRESS "
+                         "(NEEDLE_RAY=1 deployments/stack-up.sh starts a local one)")  # fmt: skip
+    cluster = p.cluster.model_copy(update={"address": address})
+    connect_ray(cluster)
+    import ray
+
+    return cluster, int(ray.cluster_resources().get("CPU", 1))
 
 
 @flow(name="needle", log_prints=True)
@@ -137,10 +171,12 @@ def run_sweep(p: SweepParams, state: Path, run: rec.MlflowRun, tracker: MlflowTr
     source = validate(resolve_source(b.data), b.on_error)
     gate_rows = validate(resolve_source(b.gate_data), "fail")
     hw = probe()
-    jobs = n_parallel(p)
+    cluster, cluster_cpus = join_cluster(p)
+    jobs = n_parallel(p, cluster_cpus)
     tracker.log_params({"sweep.space": json.dumps({k: v.model_dump(exclude_none=True) for k, v in p.space.items()}),
                         "sweep.sampler": p.sampler, "sweep.n_trials": p.n_trials, "sweep.objective": p.objective,
-                        "sweep.n_jobs": jobs, "sweep.seed": p.seed, "flow.data": b.data})  # fmt: skip
+                        "sweep.n_jobs": jobs, "sweep.seed": p.seed, "flow.data": b.data,
+                        "sweep.cluster": cluster.address if cluster else "none"})  # fmt: skip
     tracker.set_tags({"sweep": "parent", "backend": hw["backend"]})
     sweep_dir = state / "sweeps" / str(runtime.flow_run.id or "local")
     direction = "maximize" if p.objective == "exact_match" else "minimize"
@@ -149,14 +185,16 @@ def run_sweep(p: SweepParams, state: Path, run: rec.MlflowRun, tracker: MlflowTr
     else:
         sampler = optuna.samplers.TPESampler(seed=p.seed)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction=direction, sampler=sampler, study_name=f"needle-sweep-{run.run_id[:8]}")
+    study_name = f"needle-sweep-{run.run_id}"
+    tracker.log_params({"sweep.study": study_name, "sweep.storage": redact_uri(p.storage) if p.storage else "memory"})
+    study = optuna.create_study(direction=direction, sampler=sampler, study_name=study_name, storage=p.storage)
     results: dict[int, dict[str, Any]] = {}
 
     def objective(trial: Any) -> float:
         values = {name: dim.suggest(trial, name) for name, dim in p.space.items()}
         child = _child_run(run, trial.number, values)
         results[trial.number] = {"run_id": child.run_id, "values": values}
-        value, trained = run_trial(p, values, child, source, hw, state, sweep_dir / f"trial-{trial.number}")
+        value, trained = run_trial(p, values, child, source, hw, state, sweep_dir / f"trial-{trial.number}", cluster)
         results[trial.number].update(value=value, trained=trained)
         return value
 
@@ -203,9 +241,11 @@ def _child_run(parent: rec.MlflowRun, number: int, values: dict[str, Any]) -> re
 
 
 def run_trial(p: SweepParams, values: dict[str, Any], child: rec.MlflowRun, source: pipeline.LoadedSource,
-              hw: dict[str, Any], state: Path, trial_dir: Path) -> tuple[float, pipeline.Trained]:  # fmt: skip
+              hw: dict[str, Any], state: Path, trial_dir: Path,
+              cluster: Optional[ClusterConfig] = None) -> tuple[float, pipeline.Trained]:  # fmt: skip
     """One trial in its child run: the finetune flow's stages, as library calls (trials run in
-    threads); returns the objective and the trained model. Any failure ends the child FAILED."""
+    threads; with a cluster, training runs on its Ray workers); returns the objective and the
+    trained model. Any failure ends the child FAILED."""
     tracker = MlflowTracker(child.run_id, child.uri, terminate_on_finish=True)
     try:
         tp = p.trial_params(values)
@@ -221,7 +261,7 @@ def run_trial(p: SweepParams, values: dict[str, Any], child: rec.MlflowRun, sour
         out_dir = state / "finetune" / f"{tp.mode}-{key}"
         with pipeline.build_lock(out_dir, "fine-tune"):
             trained = pipeline.train(prepared, base.model_cfg, train_cfg, optim_cfg, tp.lora, base=base,
-                                     out_dir=out_dir, tracker=tracker)  # fmt: skip
+                                     out_dir=out_dir, tracker=tracker, cluster=cluster)  # fmt: skip
         report = pipeline.evaluate(base, trained.model_dir, prepared, tp.eval, trial_dir / "eval")
         with _RECORD_LOCK:
             rec.record_results(child, tracker, base, prepared, trained, report, trial_dir, {})

@@ -7,7 +7,7 @@
     needle predict runs/tuned/model --tools tools.json --query "turn on the kitchen lights"   # [--free]
     needle serve models:/needle@champion --port 5001    # MLflow /invocations + OpenAI /v1/chat/completions
 
-The installed `needle` script is the shell's ``flows.cli:main``, which adds ``finetune`` (the
+The installed `needle` script is the shell's ``needle_flows.cli:main``, which adds ``finetune`` (the
 Prefect flow) to this parser through ``main(argv, extensions)``; ``python -m needle.cli`` is the
 library alone. Heavy imports (jax, datasets) happen inside each command so `--help` is fast.
 """

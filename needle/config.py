@@ -301,14 +301,20 @@ class EvalConfig(_Strict):
 class ClusterConfig(_Strict):
     """Where the fine-tune runs: in this process (one worker), or as one program on Ray workers."""
 
-    workers: int = Field(1, gt=0, description="processes that train as one program; 1: in this process, no Ray")
+    workers: int = Field(1, gt=0, description="processes that train as one program; 1 and no address: in this "
+                         "process, no Ray")
     address: str | None = Field(
-        None, description="a Ray cluster's address (host:port, or 'auto'); None: a local Ray started for the "
-        "run and stopped after it"
+        None, description="a Ray cluster's address (host:port, or 'auto'); None: $RAY_ADDRESS when set "
+        "(deployments/stack-up.sh sets it for its flow runs), else a local Ray started for the run and stopped after it"
     )
     devices_per_worker: int = Field(
         1, gt=0, description="devices each worker trains on: GPUs it reserves, or on CPU virtual devices"
     )
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether the fine-tune runs on Ray workers: more than one, or one on a cluster named by address."""
+        return self.workers > 1 or self.address is not None
 
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {

@@ -57,7 +57,7 @@ class MlflowTracker:
     ``finish`` waits up to ``finish_timeout`` seconds for delivery, then writes what is left to
     ``spill_dir/<run_id>.jsonl``, which :func:`upload_pending_metrics` sends on a later run. The
     sender also stamps tag ``needle.heartbeat`` (unix seconds), so a later run can tell a run
-    whose process died from one that is still training (see flows.run_record).
+    whose process died from one that is still training (see needle_flows.run_record).
     """
 
     def __init__(

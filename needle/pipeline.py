@@ -279,13 +279,18 @@ def train(
     """Train (scratch, or lora/full on ``base``) and export to ``out_dir/model``; resumes from
     ``out_dir``'s checkpoints when rerun with the same configs and data (a retry).
 
-    ``cluster`` with more than one worker trains on Ray workers as one program
+    ``cluster`` with more than one worker, or an address, trains on Ray workers as one program
     (``needle/train/launch.py``); their params and metrics are logged here when it ends.
     """
     lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
-    if cluster is not None and cluster.workers > 1:
+    if cluster is not None and cluster.on_ray:
         result = _train_on_cluster(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base, Path(out_dir), cluster)
         replay_record({"params": result.params, "history": result.history}, tracker or NoopTracker())
+        from needle.train.launch import ray_address
+
+        # Where it ran: the cluster's address, or "local" for a Ray started for this run.
+        (tracker or NoopTracker()).log_params({"cluster.workers": cluster.workers,
+                                               "cluster.ray": ray_address(cluster) or "local"})  # fmt: skip
     else:
         result = run_training(
             prepared.data, prepared.tokenizer, model_cfg, train_cfg, optim_cfg, lora_cfg,

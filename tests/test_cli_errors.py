@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
+from needle_flows.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW = str(ROOT / "data/sample/new.jsonl")
@@ -71,7 +71,7 @@ def test_mistake_exits_2_with_one_line(case: str, tmp_path: Path, out_dir: Path,
 
 
 def _run(args: list[str], stdin: bytes = b"", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], input=stdin, capture_output=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "needle_flows.cli", *args], input=stdin, capture_output=True, cwd=ROOT,
                           env={**os.environ, **(env or {})}, timeout=300)  # fmt: skip
 
 

@@ -4,10 +4,12 @@ A good run is tracked and registered; a bad dataset fails with file:line, FAILED
 The retraining loop: the same inputs again are skipped in under 10 % of the first run's time
 with no new version; a forced challenger that loses keeps the champion and takes alias
 challenger; `needle data add` starts runs by itself (a burst: at most two, never overlapping);
-`needle/sweep` runs four trials as one parent and four children, one failing on purpose."""
+`needle/sweep` runs four trials as one parent and four children, one failing on purpose; with the
+stack's Ray head and worker node, `cluster: {"workers": 2}` trains on them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -35,7 +37,7 @@ def _free_port() -> int:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The running stack's environment; every process group is stopped afterwards."""
     root = tmp_path_factory.mktemp("stack")
-    prefect_port, mlflow_port = _free_port(), _free_port()
+    prefect_port, mlflow_port, ray_port = _free_port(), _free_port(), _free_port()
     env = {
         **os.environ,
         "NEEDLE_STACK_DIR": str(root / "stack"),
@@ -43,6 +45,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "NEEDLE_BIN": str(BIN),
         "PREFECT_PORT": str(prefect_port),
         "MLFLOW_PORT": str(mlflow_port),
+        # The local Ray cluster too (a head and one worker node) when the cluster extra is installed.
+        "NEEDLE_RAY": "1" if importlib.util.find_spec("ray") else "0",
+        "RAY_PORT": str(ray_port),
         "JAX_PLATFORMS": "cpu",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "STACK_TIMEOUT": "240",
@@ -318,3 +323,57 @@ def test_sweep_deployment_parent_and_children(stack: dict[str, str], first_run: 
                              "needle/sweep", "--parent", parent.info.run_id, "--out", str(tmp_path / "ui")],
                             env=stack, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert ui.returncode == 0, ui.stdout[-3000:] + ui.stderr[-3000:]
+
+
+def test_deployment_trains_on_the_stacks_ray_workers(stack: dict[str, str], first_run: subprocess.CompletedProcess[str],
+                                                     tiny_flow_params: dict[str, Any]) -> None:  # fmt: skip
+    """NEEDLE_RAY=1: the flow run finds the stack's Ray through RAY_ADDRESS (the worker's
+    environment) and trains on two Ray workers there, one a node each (last: it adds a run)."""
+    pytest.importorskip("ray")
+    from mlflow.tracking import MlflowClient
+
+    assert first_run.returncode == 0
+    params = {**tiny_flow_params, "cluster": {"workers": 2}, "force": True, "register_model": False}
+    out = _run_deployment(stack, params)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=stack["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("needle/finetune")
+    (run,) = client.search_runs([exp.experiment_id], "params.`cluster.workers` = '2'")
+    assert run.info.status == "FINISHED" and run.data.params["devices"] == "2"
+    assert run.data.params["cluster.ray"] == f"127.0.0.1:{stack['RAY_PORT']}"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
+
+
+def test_sweep_spreads_its_trials_over_the_stacks_ray_workers(
+    stack: dict[str, str], first_run: subprocess.CompletedProcess[str], tiny_flow_params: dict[str, Any], tmp_path: Path
+) -> None:
+    """`needle/sweep` with `cluster`: four trials train on the stack's two Ray nodes, two at a time
+    (one a node), the study in a SQLite storage; one parent, four children, the best gated and
+    registered (last with the test above: it adds runs and a version)."""
+    pytest.importorskip("ray")
+    import optuna
+    from mlflow.tracking import MlflowClient
+
+    assert first_run.returncode == 0
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    address = f"127.0.0.1:{stack['RAY_PORT']}"
+    params = {"base": tiny_flow_params, "n_trials": 4, "sampler": "grid", "cluster": {"workers": 1}, "storage": storage,
+              "space": {"lora.rank": {"type": "categorical", "choices": [2, 4, 6, 8]}}}  # fmt: skip
+    cmd = ["prefect", "deployment", "run", "needle/sweep", "--watch", "--param", f"params={json.dumps(params)}"]
+    out = subprocess.run(cmd, env=stack, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=stack["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("needle/sweep")
+    (parent,) = client.search_runs([exp.experiment_id], f"tags.sweep = 'parent' and params.`sweep.cluster` = '{address}'")
+    assert parent.data.params["sweep.n_jobs"] == "2"  # the cluster's two CPUs, one worker a trial
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert [c.info.status for c in children] == ["FINISHED"] * 4
+    assert all(c.data.params["cluster.ray"] == address for c in children)
+    assert len({c.data.params["cluster.node"] for c in children}) == 2  # both nodes trained trials
+    spans = sorted((c.info.start_time, c.info.end_time) for c in children)
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))  # trials overlapped
+    study = optuna.load_study(study_name=parent.data.params["sweep.study"], storage=storage)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    best = parent.data.tags["sweep.best_run_id"]
+    (version,) = [v for v in client.search_model_versions("name = 'needle'") if v.run_id == best]
+    assert version.tags["sweep.parent_run_id"] == parent.info.run_id

@@ -34,7 +34,7 @@ def _commands(parser: argparse.ArgumentParser, path: list[str]) -> list[tuple[st
 
 
 def test_every_cli_command_and_option_is_in_the_cli_reference():
-    from flows.cli import add_data, add_finetune
+    from needle_flows.cli import add_data, add_finetune
     from needle.cli import build_parser
 
     page = GEN["cli_page"]()

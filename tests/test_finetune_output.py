@@ -20,14 +20,14 @@ COMPARISON = {
 }
 CHILD = """
 import json, sys
-import flows.finetune
-from flows.cli import main
+import needle_flows.finetune
+from needle_flows.cli import main
 
 def needle(params):
     print("flow params preset", params.preset)
     return {**json.loads(sys.argv[1]), "model_version": {"version": "1", "alias": "champion"}}
 
-flows.finetune.needle = needle
+needle_flows.finetune.needle = needle
 sys.exit(main(["finetune", "data/sample/new.jsonl", "--preset", "tiny", "--steps", "1"]))
 """
 

@@ -28,8 +28,8 @@ def _versions(uri: str) -> list[Any]:
 def test_flow_records_and_registers(flow_env: str, tiny_flow_params: dict[str, Any]) -> None:
     from mlflow.tracking import MlflowClient
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
 
     result = needle(FinetuneParams(**tiny_flow_params))
     client = MlflowClient(tracking_uri=flow_env)
@@ -57,8 +57,8 @@ def test_rerun_on_cached_base_logs_the_same_keys(flow_env: str, tiny_flow_params
     """A second run reuses the base but records its params and curve, so runs compare key by key."""
     from mlflow.tracking import MlflowClient
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
 
     result = needle(FinetuneParams(**{**tiny_flow_params, "lora": {"rank": 8}}))
     client = MlflowClient(tracking_uri=flow_env)
@@ -116,8 +116,8 @@ def test_bad_dataset_fails_without_registering(
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.errors import DataError
 
     before = len(_versions(flow_env))
@@ -155,8 +155,8 @@ def test_needle_train_and_the_flow_give_bit_equal_params(
     """One path: the library command and the flow train the same LoRA from the same base and data."""
     import numpy as np
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
 
     base = _needle_train(sample_data["base"], tmp_path / "base", "--mode", "scratch", "--preset", "tiny")
     lib = _needle_train(sample_data["new"], tmp_path / "lora", "--mode", "lora", "--base", base["model_dir"])
@@ -176,8 +176,8 @@ def test_two_ray_workers_train_what_one_process_trains(
     import numpy as np
     from mlflow.tracking import MlflowClient
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
 
     pytest.importorskip("ray")
     base = _needle_train(sample_data["base"], tmp_path / "base", "--mode", "scratch", "--preset", "tiny")
@@ -195,6 +195,7 @@ def test_two_ray_workers_train_what_one_process_trains(
     client = MlflowClient(tracking_uri=flow_env)
     run = client.get_run(flow["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["devices"] == "2"
+    assert run.data.params["cluster.workers"] == "2" and run.data.params["cluster.ray"] == "local"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4]
 
 
@@ -202,8 +203,8 @@ def test_dropping_bad_rows_prepares_the_same_rows_on_both_paths(
     flow_env: str, tiny_flow_params: dict[str, Any], bad_data: Path, tmp_path: Path
 ) -> None:
     """on_error="drop" for a base trained from scratch: the library command and the flow's auto base."""
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.data.prepare import PreparedData
 
     lib = _needle_train(bad_data, tmp_path / "base", "--mode", "scratch", "--preset", "tiny", "--on-error", "drop")
@@ -231,8 +232,8 @@ def test_flow_finetunes_an_imported_hf_model(flow_env: str, tiny_flow_params: di
     """LoRA on an imported model: its chat template, the same run record, HF and PEFT exports."""
     from mlflow.tracking import MlflowClient
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.model.io import load_model
 
     params = {k: v for k, v in tiny_flow_params.items() if k not in ("base_data", "base_steps", "preset")}
@@ -278,8 +279,8 @@ def _broken_models(good: Path, root: Path) -> dict[str, Path]:
 def test_broken_hf_base_fails_before_training_without_registering(
     flow_env: str, tiny_flow_params: dict[str, Any], tiny_hf_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.errors import NeedleError
 
     before = len(_versions(flow_env))

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from flows.reaper import server_children
+from needle_flows.reaper import server_children
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def _command(sample_data: dict[str, Path]) -> list[str]:
     params = {"base_data": str(sample_data["base"]), "base_steps": 4, "batch_size": 8, "max_len": 256,
               "train": {"log_every": 1, "checkpoint_every": 5},
               "eval": {"max_rows": 4, "batch_size": 4, "max_new_tokens": 8}}
-    return [sys.executable, "-m", "flows.cli", "finetune", str(sample_data["new"]), "--preset", "tiny",
+    return [sys.executable, "-m", "needle_flows.cli", "finetune", str(sample_data["new"]), "--preset", "tiny",
             "--base", "auto", "--steps", "150", "--params", json.dumps(params)]
 
 

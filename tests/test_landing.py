@@ -10,7 +10,7 @@ import pytest
 
 def test_data_add_lands_valid_rows_once(sample_data: dict[str, Path], bad_data: Path, bad_line: int, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:  # fmt: skip
-    from flows.cli import main
+    from needle_flows.cli import main
     from needle.data.load import source_digest
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)

@@ -56,8 +56,8 @@ def test_flow_finetunes_needle3_registers_exports_and_serves(
     import jsonschema
     from mlflow.tracking import MlflowClient
 
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.data.prepare import PreparedData
     from needle.model.io import load_model
     from needle.serve.pyfunc import EXAMPLE_TOOLS
@@ -139,8 +139,8 @@ def _bad_checkpoints(good: Path, root: Path) -> dict[str, Path]:
 def test_bad_needle3_checkpoints_exit_2_and_register_nothing(
     flow_env: str, tiny_flow_params: dict[str, Any], needle3_file: Path, sample_data: dict[str, Path], tmp_path: Path
 ) -> None:
-    from flows.finetune import needle
-    from flows.params import FinetuneParams
+    from needle_flows.finetune import needle
+    from needle_flows.params import FinetuneParams
     from needle.errors import NeedleError
 
     bad = _bad_checkpoints(needle3_file, tmp_path)

@@ -64,11 +64,11 @@ def test_prepare_data_validates_once_and_caches_by_content(sample_data: dict[str
 
 def test_needle_imports_no_shell_and_the_cli_keeps_working() -> None:
     code = ("import sys, needle.cli, needle.pipeline, needle.registry, needle.tracking; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'tasks', 'mlflow')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'needle_flows', 'needle_tasks', 'flows', 'tasks', 'mlflow')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     helps = [subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True)
-             for module in ("needle.cli", "flows.cli")]
+             for module in ("needle.cli", "needle_flows.cli")]
     assert all(h.returncode == 0 for h in helps)
     assert "finetune" not in helps[0].stdout and "finetune" in helps[1].stdout and "train" in helps[1].stdout
 

@@ -66,8 +66,8 @@ def test_log_records_and_tracebacks_are_redacted() -> None:
 
 
 def test_flow_summary_result_and_cli_output_carry_no_password(capsys: pytest.CaptureFixture[str]) -> None:
-    from flows import cli
-    from flows import run_record as rec
+    from needle_flows import cli
+    from needle_flows import run_record as rec
 
     run = rec.MlflowRun(client=None, uri=SECRET_URI, experiment_id="1", experiment="needle-local", run_id="abc")
     markdown = rec.summary_markdown({**run.info, "status": "FAILED", "error": f"ConnectionError: {SECRET_URI}"})
@@ -141,7 +141,7 @@ def test_stale_run_rules() -> None:
     import sys
     import time
 
-    from flows.run_record import HEARTBEAT_TAG, HOST_TAG, PID_STARTED_TAG, PID_TAG, process_tags, run_is_stale
+    from needle_flows.run_record import HEARTBEAT_TAG, HOST_TAG, PID_STARTED_TAG, PID_TAG, process_tags, run_is_stale
 
     now = time.time()
     assert run_is_stale(process_tags(), now) is None  # this very process

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect.states import Failed
 
 from needle.errors import DataError, DataIssue, NonFiniteLossError
-from tasks.stages import transient_only
+from needle_tasks.stages import transient_only
 
 
 def test_retry_only_failures_that_may_not_recur() -> None:

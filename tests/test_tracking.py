@@ -132,7 +132,7 @@ def test_dataset_inputs_are_logged_with_their_declared_schema_and_no_warning(tmp
     import datasets
     from mlflow.tracking import MlflowClient
 
-    from flows.run_record import log_dataset
+    from needle_flows.run_record import log_dataset
 
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "length": datasets.Value("int32"),
                                   **{k: datasets.Value("string") for k in ("query", "tools", "answers", "source")}})

@@ -81,7 +81,13 @@ class _Worker:
             prepared, tokenizer, spec.model_cfg, spec.train_cfg, spec.optim_cfg, spec.lora_cfg,
             base_model_dir=spec.base_model_dir, out_dir=spec.out_dir,
         )  # fmt: skip
-        return result if is_primary() else None
+        if not is_primary():
+            return None
+        import ray
+
+        # Which node trained it (worker 0's): a sweep's trials spread over the cluster's nodes.
+        result.params["cluster.node"] = ray.get_runtime_context().get_node_id()[:12]
+        return result
 
 
 def _worker_options(cluster: ClusterConfig) -> dict[str, Any]:
@@ -92,9 +98,16 @@ def _worker_options(cluster: ClusterConfig) -> dict[str, Any]:
     return {"num_cpus": 1, "num_gpus": cluster.devices_per_worker, "runtime_env": {"env_vars": env}}
 
 
-def _connect(cluster: ClusterConfig) -> bool:
-    """Connect to ``cluster.address`` or start a local Ray on 127.0.0.1; True when started here."""
-    if not cluster.address:
+def ray_address(cluster: ClusterConfig) -> str | None:
+    """The cluster to join: ``cluster.address``, else ``$RAY_ADDRESS`` (Ray's own variable, which
+    deployments/stack-up.sh sets for its worker's flow runs), else None (a local Ray for the run)."""
+    return cluster.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def connect_ray(cluster: ClusterConfig) -> bool:
+    """Connect to the cluster's address or start a local Ray on 127.0.0.1; True when started here."""
+    address = ray_address(cluster)
+    if not address:
         # A local Ray for this run only: every listener on loopback (Ray's own single-machine
         # mode, named for macOS and Windows; read when ray is first imported).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -102,23 +115,25 @@ def _connect(cluster: ClusterConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    if cluster.address:
-        ray.init(address=cluster.address, log_to_driver=True)
+    if address:
+        ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(num_cpus=cluster.workers, include_dashboard=False, log_to_driver=True)
+    # address="local": a new instance even when a `ray start` cluster ran on this machine (without
+    # it ray.init joins the cluster named in /tmp/ray/ray_current_cluster, and refuses num_cpus).
+    ray.init(address="local", num_cpus=cluster.workers, include_dashboard=False, log_to_driver=True)
     return True
 
 
 def train_on_workers(spec: TrainSpec, cluster: ClusterConfig) -> Any:
     """Run ``spec`` on ``cluster.workers`` Ray workers as one program; worker 0's ``TrainResult``."""
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
-    started = _connect(cluster)
+    started = connect_ray(cluster)
     import ray
 
     actor_cls = ray.remote(_Worker)
     actors = [actor_cls.options(**_worker_options(cluster)).remote() for _ in range(cluster.workers)]
     try:
-        coordinator = ray.get(actors[0].coordinator.remote(None if cluster.address else "127.0.0.1"))
+        coordinator = ray.get(actors[0].coordinator.remote(None if ray_address(cluster) else "127.0.0.1"))
         log.info("training on %d Ray workers (coordinator %s)", cluster.workers, coordinator)
         refs = [a.train.remote(spec, coordinator, cluster.workers, rank) for rank, a in enumerate(actors)]
         results: dict[int, Any] = {}

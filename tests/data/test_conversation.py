@@ -111,7 +111,7 @@ def test_conversations_survive_the_datasets_round_trip(write_jsonl: Callable[...
 
 def test_cli_refuses_a_bad_conversation_naming_the_message(write_jsonl: Callable[..., Path], tmp_path: Path,
                                                           capsys: Any) -> None:  # fmt: skip
-    from flows.cli import main
+    from needle_flows.cli import main
 
     messages, where, _ = BAD["unknown call id"]
     path = write_jsonl([{"messages": GOOD, "tools": [WEATHER]}, {"messages": messages, "tools": [WEATHER]}])
