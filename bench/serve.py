@@ -136,6 +136,31 @@ def _renumber(messages: list[dict], prefix: str) -> list[dict]:
     return out
 
 
+def _time_last_turns(predictor: Any, rows: list[dict], tools: list[dict], turns: int, n: int) -> tuple[dict, list]:
+    """Send each conversation's turns as a client would, timing the last one: p50/p95 latency,
+    the cache's reuse when it has one, and the last turns' replies."""
+    from needle.serve.prompt import Request
+
+    def ask(messages: list[dict]) -> Any:
+        return predictor.predict([Request(messages=messages, tools=tools, mode="auto")])
+
+    for conversation in _conversations(rows, turns, 4, skip=300):  # warm-up: compiles the shapes
+        for messages in conversation:
+            ask(messages)
+    latencies, replies = [], []
+    for conversation in _conversations(rows, turns, n, skip=0):
+        for messages in conversation[:-1]:  # the turns before, as the client sent them
+            ask(messages)
+        start = time.perf_counter()
+        replies.append(ask(conversation[-1]))
+        latencies.append(time.perf_counter() - start)
+    got = {"latency_p50_s": statistics.median(latencies), "latency_p95_s": _pct(latencies, 0.95)}
+    if predictor.prefix_cache is not None:
+        stats = predictor.prefix_cache.stats()
+        got |= {"reused_token_share": stats["hit_tokens"] / stats["prompt_tokens"], "cache_bytes": stats["bytes"]}
+    return got, replies
+
+
 def prefix_speed(n_conversations: int, work: Path, turns: tuple[int, ...] = (1, 3, 6)) -> dict:
     """The last turn's latency with the prefix cache off and on (module doc)."""
     from needle.config import EvalConfig
@@ -159,22 +184,8 @@ def prefix_speed(n_conversations: int, work: Path, turns: tuple[int, ...] = (1, 
             replies = {}
             for label, mb in (("off", 0.0), ("on", DEFAULT_PREFIX_CACHE_MB)):
                 predictor = Predictor(loaded, cfg, prefix_cache_mb=mb)
-                ask = lambda messages: predictor.predict([Request(messages=messages, tools=tools, mode="auto")])  # noqa: E731
-                for conversation in _conversations(rows, k, 4, skip=300):  # warm-up: compiles the shapes
-                    for messages in conversation:
-                        ask(messages)
-                latencies, replies[label] = [], []
-                for conversation in _conversations(rows, k, n_conversations, skip=0):
-                    for messages in conversation[:-1]:  # the turns before, as the client sent them
-                        ask(messages)
-                    start = time.perf_counter()
-                    replies[label].append(ask(conversation[-1]))
-                    latencies.append(time.perf_counter() - start)
-                got = {"latency_p50_s": statistics.median(latencies), "latency_p95_s": _pct(latencies, 0.95)}
-                if predictor.prefix_cache is not None:
-                    stats = predictor.prefix_cache.stats()
-                    got |= {"reused_token_share": stats["hit_tokens"] / stats["prompt_tokens"], "cache_bytes": stats["bytes"]}
-                entry.setdefault(what, {})[label] = got
+                entry.setdefault(what, {})[label], replies[label] = _time_last_turns(predictor, rows, tools, k,
+                                                                                     n_conversations)  # fmt: skip
             entry[what]["p50_speedup"] = entry[what]["off"]["latency_p50_s"] / entry[what]["on"]["latency_p50_s"]
             entry[what]["same_replies"] = sum(a == b for a, b in zip(replies["off"], replies["on"]))
         last = Request(messages=_conversations(rows, k, 1, skip=0)[0][-1], tools=tools, mode="auto")

@@ -286,11 +286,6 @@ def train(
     if cluster is not None and cluster.on_ray:
         result = _train_on_cluster(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base, Path(out_dir), cluster)
         replay_record({"params": result.params, "history": result.history}, tracker or NoopTracker())
-        from needle.train.launch import ray_address
-
-        # Where it ran: the cluster's address, or "local" for a Ray started for this run.
-        (tracker or NoopTracker()).log_params({"cluster.workers": cluster.workers,
-                                               "cluster.ray": ray_address(cluster) or "local"})  # fmt: skip
     else:
         result = run_training(
             prepared.data, prepared.tokenizer, model_cfg, train_cfg, optim_cfg, lora_cfg,

@@ -127,13 +127,14 @@ def connect_ray(cluster: ClusterConfig) -> bool:
 def train_on_workers(spec: TrainSpec, cluster: ClusterConfig) -> Any:
     """Run ``spec`` on ``cluster.workers`` Ray workers as one program; worker 0's ``TrainResult``."""
     Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
+    address = ray_address(cluster)
     started = connect_ray(cluster)
     import ray
 
     actor_cls = ray.remote(_Worker)
     actors = [actor_cls.options(**_worker_options(cluster)).remote() for _ in range(cluster.workers)]
     try:
-        coordinator = ray.get(actors[0].coordinator.remote(None if ray_address(cluster) else "127.0.0.1"))
+        coordinator = ray.get(actors[0].coordinator.remote(None if address else "127.0.0.1"))
         log.info("training on %d Ray workers (coordinator %s)", cluster.workers, coordinator)
         refs = [a.train.remote(spec, coordinator, cluster.workers, rank) for rank, a in enumerate(actors)]
         results: dict[int, Any] = {}
@@ -149,6 +150,8 @@ def train_on_workers(spec: TrainSpec, cluster: ClusterConfig) -> Any:
                     f"worker {rank} of {cluster.workers} failed: {reason[-1] if reason else type(err).__name__}; "
                     f"checkpoints in {spec.out_dir} are kept, run again to resume"
                 ) from None
+        # Where it ran, beside worker 0's cluster.node: the address, or "local" for a Ray of this run.
+        results[0].params.update({"cluster.workers": cluster.workers, "cluster.ray": address or "local"})
         return results[0]
     finally:
         for actor in actors:
