@@ -32,7 +32,7 @@ import datasets
 import numpy as np
 
 from needle.config import DataConfig
-from needle.data.load import LoadedSource, load_source, row_to_record
+from needle.data.load import LoadedSource, load_source, records_dataset, row_to_record
 from needle.data.render import TEMPLATE, TEMPLATE_VERSION, ChatFormat, Example, NativeFormat, render_text
 from needle.data.schema import Row, split_source
 from needle.errors import DataError, DataIssue
@@ -94,7 +94,7 @@ class PreparedData:
 
 def _empty_split() -> datasets.Dataset:
     """A split with no rows but all the columns (``from_list([])`` would lose them)."""
-    return datasets.Dataset.from_dict({k: [] for k in FEATURES}, features=FEATURES)
+    return records_dataset([], FEATURES)
 
 
 def collect_texts(rows: list[Row]) -> list[str]:
@@ -231,7 +231,8 @@ def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) ->
     tokens: dict[str, dict[str, int]] = {}
     for name, idx in parts.items():
         records = [_record(rows[i], examples[i]) for i in idx]
-        splits[name] = datasets.Dataset.from_list(records, features=FEATURES) if records else _empty_split()
+        # Built without datasets' dill fingerprinting (see records_dataset); same table as from_list.
+        splits[name] = records_dataset(records, FEATURES) if records else _empty_split()
         tokens[name] = {
             "total": sum(len(examples[i].ids) for i in idx),
             "target": sum(sum(examples[i].loss_mask) for i in idx),
