@@ -46,7 +46,9 @@ REMAT_POLICIES = (
 # (needle/model/attention.py), never the full score matrix; "auto": cuDNN's fused kernel through
 # jax.nn.dot_product_attention where it serves (NVIDIA GPU, half precision, no soft cap, no
 # packing), blocked everywhere else.
-ATTENTION_PATHS = ("auto", "blocked", "dense")
+# "splash": Pallas splash attention (needle/model/splash.py), what "auto" takes on a TPU for the
+# shapes it accepts; asked for elsewhere it runs in the Pallas interpreter (tests).
+ATTENTION_PATHS = ("auto", "blocked", "dense", "splash")
 
 
 def prepare_platform_env() -> None:
@@ -83,9 +85,12 @@ class BackendSettings:
     param_dtype: str  # stored (master) weights
     fused_attention: bool  # use jax.nn.dot_product_attention's fused path
     remat_policy: str  # per-block rematerialisation policy (REMAT_POLICIES); "none": off
-    scan_layers: bool  # roll the layer loop with nn.scan (False: unrolled Python loop)
+    scan_layers: bool  # the blocks as one lax.scan over the layer pattern's period (False: unrolled loop)
     attention: str = "blocked"  # ATTENTION_PATHS
     loss_chunk: int = 256  # tokens per chunk of the output layer + cross-entropy; 0: full [B,T,V] logits
+    # dtype of the residual stream between blocks (what the backward pass keeps per layer): float32
+    # on the CPU; bfloat16 on accelerators, where it halves the activations a long batch holds
+    residual_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.remat_policy not in REMAT_POLICIES:
@@ -111,7 +116,8 @@ def settings_for(backend: str) -> BackendSettings:
     if b in GPU_BACKENDS or b == "tpu":
         # Plenty of memory for these model sizes: keep matmul outputs, recompute elementwise ops.
         return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat_policy="dots_saveable",
-                               scan_layers=False, attention="auto", loss_chunk=1024)  # fmt: skip
+                               scan_layers=True, attention="auto", loss_chunk=1024,
+                               residual_dtype="bfloat16")  # fmt: skip
     # CPU and anything unknown: float32; keep only each block's input and recompute the block in
     # the backward pass (model/recompute.py: jax.checkpoint's policies do not hold on XLA's CPU
     # pipeline), logits in chunks of 256 tokens. 135M Llama shape, LoRA 4x640, 2026-12-04: peak

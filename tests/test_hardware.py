@@ -24,9 +24,9 @@ def test_probe_reports_cpu_here():
 
 @pytest.mark.parametrize(
     "backend,dtype,fused,unrolled",
-    [("cpu", "float32", False, True), ("gpu", "bfloat16", True, True),
-     ("cuda", "bfloat16", True, True), ("rocm", "bfloat16", True, True),
-     ("metal", "float32", False, True)],
+    [("cpu", "float32", False, True), ("gpu", "bfloat16", True, False),
+     ("cuda", "bfloat16", True, False), ("rocm", "bfloat16", True, False),
+     ("tpu", "bfloat16", True, False), ("metal", "float32", False, True)],
 )
 def test_settings_per_backend(backend, dtype, fused, unrolled):
     s = settings_for(backend)

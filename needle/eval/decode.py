@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from needle.data.batching import bucket_for
+from needle.model.lora import in_compute_dtype
 from needle.model.transformer import Transformer, init_cache
 
 Overflow = Literal["error", "shrink"]
@@ -280,6 +281,7 @@ def generate_detailed(
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens}, {batch_size}")
     _check_prompts(model, prompts, max_new_tokens, overflow)
+    params = in_compute_dtype(params, getattr(model, "settings", None))  # cast once, not every step
     stops = stop_array(end_id)
     max_len = model.cfg.max_len
     rows = min(batch_size, 1 << max(0, len(prompts) - 1).bit_length())

@@ -66,6 +66,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
     ),
+    # Qwen/Qwen3-1.7B
+    "qwen3-1.7b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+    ),
     # google/gemma-3-270m: five sliding-window (512) layers to one global layer.
     "gemma3-270m": dict(
         model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,

@@ -69,6 +69,19 @@ def split_trainable(params: Params, mode: TrainMode) -> tuple[Params, Params]:
     return _unflat(trainable), _unflat(frozen)
 
 
+def in_compute_dtype(params: Params, settings: BackendSettings | None) -> Params:
+    """``params`` with its matrices in the compute dtype (vectors: norm scales, biases, as stored).
+
+    On accelerators the compute dtype is bfloat16 and every projection casts its kernel to it
+    before use, so a frozen LoRA base or decoding weights held in bfloat16 compute the same in
+    half the memory and half the bytes read a step (Qwen3-0.6B: 1.2 GB instead of 2.4 GB). Where
+    compute and master dtypes agree (the CPU) the tree is returned as it is."""
+    if settings is None or jnp.dtype(settings.compute_dtype) == jnp.dtype(settings.param_dtype):
+        return params
+    dtype = jnp.dtype(settings.compute_dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+
+
 def combine(trainable: Params, frozen: Params) -> Params:
     """Inverse of :func:`split_trainable`: one tree holding both halves."""
     flat_t, flat_f = _flat(trainable), _flat(frozen)

@@ -77,6 +77,7 @@ from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
 from needle.model.attention import blocked_attention
 from needle.model.recompute import apply_recomputed, grads_before_input
+from needle.model.splash import splash_attention, splash_supported
 
 # Short names of the projections as LoraConfig.targets spells them.
 _TARGET_OF = {
@@ -253,6 +254,10 @@ class Attention(_Layer):
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         path = self.settings.attention
         if mask is None and path != "dense":
+            if self._splash(q):
+                on_tpu = jax.default_backend() == "tpu"  # "splash" asked for off a TPU: the Pallas interpreter
+                return splash_attention(q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap,
+                                        segment_ids=segment_ids, interpret=not on_tpu)  # fmt: skip
             fused = path == "auto" and cfg.attn_softcap is None and segment_ids is None and self._implementation(q)
             if fused:
                 local = None if causal_window is None else (causal_window - 1, 0)
@@ -281,6 +286,13 @@ class Attention(_Layer):
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=self._implementation(q)
         )
+
+    def _splash(self, q: jax.Array) -> bool:
+        """Pallas splash attention: asked for ("splash"), or "auto" on a TPU for the shapes it takes."""
+        s, (t, hd) = self.settings, (q.shape[1], q.shape[3])
+        if s.attention == "splash":
+            return True
+        return s.attention == "auto" and s.backend == "tpu" and jax.default_backend() == "tpu" and splash_supported(t, hd)
 
     def _implementation(self, q: jax.Array) -> str | None:
         # cuDNN flash attention exists only on NVIDIA GPUs and only for half precision; GPU
@@ -423,11 +435,6 @@ class Transformer(nn.Module):
     ) -> jax.Array:  # fmt: skip
         cfg = self.cfg
         s = self.settings or settings_for("cpu")
-        if s.scan_layers:
-            raise ValueError(
-                "BackendSettings.scan_layers=True is not supported: the parameter layout is fixed to "
-                "unrolled block_0..block_N (see docs/architecture.md)"
-            )
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
         b, t = tokens.shape
@@ -448,12 +455,17 @@ class Transformer(nn.Module):
         if cfg.embed_scale:
             # Gemma multiplies by sqrt(d) rounded to the weights' dtype; here the compute dtype.
             x = x * jnp.asarray(cfg.d_model**0.5, dt).astype(jnp.float32)
-        # Remat only matters under differentiation; decoding keeps the plain block.
-        block = Block if decode else remat_block(s.remat_policy)
-        recompute = not decode and s.remat_policy == "recompute" and not self.is_initializing()
-        for i, kind in enumerate(cfg.resolved_layer_types()):
-            layer = block(cfg, self.lora, s, decode, kind, prefill, name=f"block_{i}")
-            x = apply_recomputed(layer, x, positions, segment_ids) if recompute else layer(x, positions, segment_ids)
+        if s.scan_layers:
+            x = self._scanned_layers(x, positions, segment_ids, decode, prefill, s)
+        else:
+            # Remat only matters under differentiation; decoding keeps the plain block.
+            block = Block if decode else remat_block(s.remat_policy)
+            recompute = not decode and s.remat_policy == "recompute" and not self.is_initializing()
+            rdt = jnp.dtype(s.residual_dtype)
+            for i, kind in enumerate(cfg.resolved_layer_types()):
+                layer = block(cfg, self.lora, s, decode, kind, prefill, name=f"block_{i}")
+                x = apply_recomputed(layer, x, positions, segment_ids) if recompute else layer(x, positions, segment_ids)
+                x = x.astype(rdt)
         x = RMSNorm(cfg.norm_eps, dt, pdt, cfg.norm_offset_one, name="final_norm")(x)
         if cfg.tie_embeddings:
             w = embed.embedding.T
@@ -462,6 +474,100 @@ class Transformer(nn.Module):
         if return_hidden:
             return x
         return output_logits(cfg, dt, x, w)
+
+
+    def _scanned_layers(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, decode: bool, prefill: bool,
+        s: BackendSettings,
+    ) -> jax.Array:  # fmt: skip
+        """The blocks as one ``lax.scan`` over the repeating period of the layer pattern.
+
+        The parameters keep their unrolled ``block_i`` layout (checkpoints, adapters and every
+        export read it); here they are stacked, matrices already cast to the compute dtype (the
+        cast each projection makes anyway, so the values are the same), into ``[L / period, ...]``
+        per position in the period, and one compiled body of ``period`` blocks runs ``L / period``
+        times. The KV cache is kept stacked the same way (``cache/layers/<j>/attn/...``).
+        """
+        cfg, lora = self.cfg, self.lora
+        kinds = cfg.resolved_layer_types()
+        period = layer_period(kinds)
+        groups = len(kinds) // period
+        dt, rdt = jnp.dtype(s.compute_dtype), jnp.dtype(s.residual_dtype)
+        x = x.astype(rdt)  # the scan's carry: the residual stream between blocks
+        if self.is_initializing():
+            # Lay the parameters out exactly as the unrolled model does; decode caches stacked.
+            for i, kind in enumerate(kinds):
+                x = Block(cfg, lora, s, False, kind, False, name=f"block_{i}")(x, positions, segment_ids)
+            if decode:
+                b, t = positions.shape
+                shape = (groups, b, t, cfg.n_kv_heads, cfg.head_dim)
+                zeros = {str(j): {"attn": {"cached_key": jnp.zeros(shape, dt), "cached_value": jnp.zeros(shape, dt)}}
+                         for j in range(period)}  # fmt: skip
+                self.variable("cache", "layers", lambda: zeros)
+            return x
+        params = self.variables["params"]
+        stacked = [stack_block_params([params[f"block_{g * period + j}"] for g in range(groups)], dt)
+                   for j in range(period)]  # fmt: skip
+        blocks = [Block(cfg, lora, s, decode, kinds[j], prefill, parent=None) for j in range(period)]
+        if decode:
+            def step(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
+                group_params, group_cache = xs
+                new_cache = []
+                for j, blk in enumerate(blocks):
+                    h, upd = blk.apply({"params": group_params[j], "cache": group_cache[j]}, h, positions,
+                                       mutable=["cache"])  # fmt: skip
+                    h = h.astype(rdt)
+                    new_cache.append(upd["cache"])
+                return h, new_cache
+
+            cache = self.get_variable("cache", "layers")
+            x, new_cache = jax.lax.scan(step, x, (stacked, [cache[str(j)] for j in range(period)]))
+            self.put_variable("cache", "layers", {str(j): c for j, c in enumerate(new_cache)})
+            return x
+
+        def body(h: jax.Array, group_params: Any) -> tuple[jax.Array, None]:
+            for j, blk in enumerate(blocks):
+                h = blk.apply({"params": group_params[j]}, h, positions, segment_ids).astype(rdt)
+            return h, None
+
+        policy = scan_remat_policy(s.remat_policy)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+
+def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
+    """Smallest ``p`` dividing ``len(kinds)`` with ``kinds[i] == kinds[i % p]`` (Gemma 3: 6, Llama: 1)."""
+    n = len(kinds)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
+            return p
+    return n
+
+
+def stack_block_params(blocks: list[Any], dtype: Any) -> Any:
+    """Per-block parameter trees stacked leaf by leaf on a new axis 0; matrices cast to ``dtype``.
+
+    Only matrices are cast: every projection casts its kernel (and LoRA factors) to the compute
+    dtype before use, while norm scales and biases are read in their own dtype."""
+    def stack(*leaves: jax.Array) -> jax.Array:
+        out = jnp.stack(leaves)
+        return out.astype(dtype) if out.ndim >= 3 else out
+
+    return jax.tree.map(stack, *blocks)
+
+
+def scan_remat_policy(policy: str) -> Any:
+    """The ``jax.checkpoint`` policy of the scanned body for a REMAT_POLICIES name (None: no remat).
+
+    Inside a scan the body is a loop iteration, so XLA cannot merge recomputation back into the
+    forward pass: "recompute" (the unrolled CPU path's custom VJP) is plain nothing_saveable here."""
+    if policy in ("none", "everything_saveable"):
+        return None
+    if policy in ("everything", "nothing_saveable", "recompute"):
+        return jax.checkpoint_policies.nothing_saveable
+    return getattr(jax.checkpoint_policies, policy)
 
 
 def init_cache(model: Transformer, batch_size: int, max_len: int) -> dict[str, Any]:

@@ -298,6 +298,11 @@ def run_training(
     lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
     configs = (model_cfg, train_cfg, optim_cfg, lora_cfg)
     state = build_state(*configs, base if base is not None else base_model_dir, settings)
+    master_frozen = None
+    if lora_cfg is not None:  # the frozen base in the compute dtype; the export merges onto the master copy
+        cast = lora_lib.in_compute_dtype(state.frozen, settings)
+        if cast is not state.frozen:
+            master_frozen, state = jax.tree.map(np.asarray, state.frozen), state.replace(frozen=cast)
     meta = resume_meta(prepared, tokenizer, configs, out)
     mesh = make_mesh(fsdp=train_cfg.fsdp)
     if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
@@ -318,7 +323,7 @@ def run_training(
         # An imported base's source, revision, architecture and size (a PEFT export names it).
         "base": (base.meta.get("base") if base is not None else None),
     }  # fmt: skip
-    model_dir = export_model(result.state, out / "model", model_cfg, lora_cfg, tokenizer, export_meta)
+    model_dir = export_model(result.state, out / "model", model_cfg, lora_cfg, tokenizer, export_meta, master_frozen)
     return replace(result, model_dir=str(model_dir), state=None, params=params)
 
 
@@ -329,10 +334,13 @@ def export_model(
     lora_cfg: LoraConfig | None,
     tokenizer: Tokenizer,
     meta: dict[str, Any],
+    frozen: Any = None,
 ) -> Path:
-    """Write the trained model in base layout (adapters merged) for eval, predict and the registry."""
+    """Write the trained model in base layout (adapters merged) for eval, predict and the registry.
+
+    ``frozen`` is the base in its master dtype when the state holds a compute-dtype copy."""
     # Every process gathers (a collective); process 0 alone writes.
-    params = fetch(lora_lib.combine(state.trainable, state.frozen))
+    params = fetch(lora_lib.combine(state.trainable, state.frozen if frozen is None else frozen))
     adapter = None
     if lora_cfg is not None:
         adapter = fetch(state.trainable)  # kept unmerged too, for a PEFT export

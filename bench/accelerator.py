@@ -1,0 +1,202 @@
+"""Training and decoding on the accelerator: compile time, step time, share of the bf16 peak, HBM.
+
+For each case (a real model shape with random weights, LoRA or full fine-tuning, a batch of
+``rows x seq`` tokens packed two rows a sequence, the backend's own settings from
+needle/hardware.py) one process, in order:
+
+* ``compile_s``: lowering and compiling the jitted ``needle.train.step.train_step`` (the first
+  step's cost); ``step_s``: the median of ``--steps`` timed steps after one warm step;
+* ``tokens_per_s`` and ``mfu``: model FLOPs (bench/flops.py's formulas) per second over the bf16
+  matmul peak measured at the start of the same run (bench/peak.py, 8192^3);
+* ``hbm_gb``: the compiled program's own need (``memory_analysis``: arguments + temporaries +
+  outputs not aliased) and ``peak_gb``: the device's ``peak_bytes_in_use`` so far in the process
+  (cases run smallest first, so it is each case's peak up to the largest one before it).
+
+``--decode`` adds bench/memory.py's decoding of the 135M shape (8 rows of ~500 prompt tokens, 96
+new tokens; free, and the constrained path's device work with an all-allowed mask).
+
+    python -m bench.accelerator [--cases 135m-lora-16x1024,...] [--steps 5] [--decode] [--out FILE]
+
+A case that runs out of memory is recorded with its error and the run goes on. Prints a table and
+writes JSON (default bench/results/accelerator-<backend>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE_OF = {"135m": "smollm2-135m", "270m": "gemma3-270m", "0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b"}
+DEFAULT_CASES = (
+    "135m-lora-16x1024", "135m-full-16x1024", "270m-lora-16x1024", "0.6b-lora-16x1024", "0.6b-full-16x1024",
+    "0.6b-full-16x2048", "1.7b-lora-8x2048",
+)  # fmt: skip
+
+
+def parse_case(text: str) -> tuple[str, str, int, int]:
+    """``135m-lora-16x1024`` -> (shape, mode, rows, seq)."""
+    size, mode, dims = text.split("-")
+    rows, seq = (int(x) for x in dims.split("x"))
+    if size not in SHAPE_OF or mode not in ("lora", "full"):
+        raise ValueError(f"case {text!r}: SIZE-MODE-ROWSxSEQ with SIZE in {sorted(SHAPE_OF)}, MODE lora or full")
+    return SHAPE_OF[size], mode, rows, seq
+
+
+def packed_batch(vocab: int, rows: int, seq: int, seed: int = 0) -> dict[str, Any]:
+    """Random tokens, two packed rows per sequence (segment ids 1 and 2, positions restarting)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cut = seq // 2 + 17
+    positions = np.concatenate([np.arange(cut), np.arange(seq - cut)])
+    segments = np.concatenate([np.ones(cut), np.full(seq - cut, 2)])
+    return {
+        "inputs": jnp.asarray(rng.integers(0, vocab, (rows, seq)), jnp.int32),
+        "targets": jnp.asarray(rng.integers(0, vocab, (rows, seq)), jnp.int32),
+        "mask": jnp.ones((rows, seq), jnp.float32),
+        "positions": jnp.asarray(np.broadcast_to(positions, (rows, seq)), jnp.int32),
+        "segment_ids": jnp.asarray(np.broadcast_to(segments, (rows, seq)), jnp.int32),
+    }
+
+
+def model_flops(cfg: Any, counts: dict[str, int], mode: str, seq: int) -> float:
+    """Model FLOPs per token of a training step (bench/flops.py's formulas)."""
+    attn = 6.0 * cfg.n_layers * seq * cfg.n_heads * cfg.head_dim
+    head = cfg.d_model * cfg.vocab_size
+    if mode == "lora":
+        return 4.0 * counts["n_mat"] + 6.0 * counts["n_lora"] + attn + 4.0 * head
+    return 6.0 * counts["n_mat"] + attn + 6.0 * head
+
+
+def _gb(x: float | None) -> float | None:
+    return None if x is None else round(x / 2**30, 3)
+
+
+def run_case(case: str, steps: int, peak_flops: float, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Compile and time one case; an out-of-memory error is the record's ``error``.
+
+    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat_policy=...``)."""
+    import jax
+
+    from bench.flops import count_matmul_params
+    from bench.memory import _peak_device_bytes
+    from needle.config import LoraConfig, OptimConfig
+    from needle.hardware import settings_for
+    from needle.model import lora as lora_lib
+    from needle.model.hf import hf_config_to_model_config
+    from needle.model.hf_sample import shape_config
+    from needle.model.transformer import Transformer
+    from needle.train.finetune import make_apply_fn
+    from needle.train.step import create_state, train_step
+
+    shape, mode, rows, seq = parse_case(case)
+    settings = dataclasses.replace(settings_for(jax.default_backend()), **(overrides or {}))
+    cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
+    lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
+    model = Transformer(cfg, lora_cfg, settings)
+    rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq,
+                           "settings": dataclasses.asdict(settings)}
+    try:
+        params = jax.jit(lambda: lora_lib.init_params(cfg, lora_cfg, 0, settings))()
+        counts = count_matmul_params(params)
+        trainable, frozen = lora_lib.split_trainable(params, "lora" if lora_cfg else "full")
+        del params
+        frozen = lora_lib.in_compute_dtype(frozen, settings)
+        state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), 100)
+        batch = packed_batch(cfg.vocab_size, rows, seq)
+        t0 = time.perf_counter()
+        compiled = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()
+        rec["compile_s"] = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        if mem is not None:
+            need = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            rec["hbm_gb"], rec["temp_gb"] = _gb(need), _gb(mem.temp_size_in_bytes)
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        rec["loss_first"] = float(metrics["loss"])
+        rec["first_run_s"] = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - t0)
+        step_s = sorted(times)[len(times) // 2]
+        tokens = rows * seq
+        flops = model_flops(cfg, counts, mode, seq) * tokens / step_s
+        rec.update(step_s=step_s, tokens_per_s=tokens / step_s, tflops=flops / 1e12, mfu=flops / peak_flops,
+                   loss_last=float(metrics["loss"]), params_m=(counts["n_mat"] + cfg.vocab_size * cfg.d_model) / 1e6)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - an out-of-memory case is a result, not a crash
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    rec["peak_gb"] = _gb(_peak_device_bytes())
+    return rec
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """One line per case: compile, step, tokens/s, share of the peak, HBM."""
+    lines = [f"{result['device_kind']} ({result['backend']}), bf16 peak {result['peak_tflops']:.1f} TFLOP/s",
+             f"{'case':<20} {'compile s':>9} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'HBM GB':>7}"]  # fmt: skip
+    for r in result["cases"]:
+        if "error" in r:
+            lines.append(f"{r['case']:<20} {r['error'][:90]}")
+            continue
+        lines.append(f"{r['case']:<20} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
+                     f"{r['mfu']:>6.1%} {r.get('hbm_gb') or 0:>7.2f}")  # fmt: skip
+    dec = result.get("decode")
+    if dec:
+        for kind in ("free", "constrained"):
+            d = dec[kind]
+            lines.append(f"decode 135m {kind:<11}: first pass {d['first_pass_s']:.1f} s, "
+                         f"{d['warm_s'] / dec['max_new_tokens'] * 1e3:.2f} ms a step warm")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a BackendSettings field over the backend default, e.g. remat_policy=nothing_saveable")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from needle.hardware import prepare_platform_env
+
+    prepare_platform_env()
+    import jax
+
+    from bench.peak import measure_matmul_peak
+
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    backend = jax.default_backend().lower()
+    peak = measure_matmul_peak(8192 if backend != "cpu" else 2048, "bfloat16", repeats=5)
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "backend": backend,
+                              "device_kind": jax.devices()[0].device_kind, "peak_tflops": peak["gflops"] / 1e3,
+                              "cases": []}  # fmt: skip
+    out = Path(args.out or REPO / "bench" / "results" / f"accelerator-{backend}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for case in [c for c in args.cases.split(",") if c]:
+        rec = run_case(case, args.steps, peak["gflops"] * 1e9, overrides)
+        result["cases"].append(rec)
+        print(json.dumps(rec), flush=True)
+        out.write_text(json.dumps(result, indent=2))
+    if args.decode:
+        from bench.memory import child_decode
+
+        result["decode"] = child_decode("smollm2-135m", "new", 8)
+        out.write_text(json.dumps(result, indent=2))
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
