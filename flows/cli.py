@@ -28,7 +28,7 @@ def add_finetune(sub: Any) -> None:
     p.add_argument("data", help="JSONL path, glob or hub id")
     p.add_argument("--preset", choices=preset_names(), default=None, help="model preset of the auto base (default small)")
     p.add_argument("--base", default="auto",
-                   help="'auto' (train one), a needle model dir, a Hugging Face model dir or hf:owner/name[@rev]")
+                   help="'auto' (train one), a needle model dir, a Hugging Face model dir, hf:owner/name[@rev] or a .gguf file")
     p.add_argument("--steps", type=needle_cli.positive_int, default=None)
     p.add_argument("--params", default=None, help="further FinetuneParams as a JSON object")
     p.set_defaults(func=_cmd_finetune, own_logging=True)  # Prefect routes needle's log lines

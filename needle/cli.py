@@ -73,7 +73,7 @@ def _check_base(mode: str, base: str | None) -> None:
     if mode != "scratch" and not base:
         raise UsageError(f"--mode {mode} needs --base (a model directory or hf:owner/name; train one with --mode scratch)")
     if base and not base.startswith("hf:") and not Path(base).exists():
-        raise UsageError(f"--base {base}: no such model directory")
+        raise UsageError(f"--base {base}: no such model directory or file")
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -146,6 +146,15 @@ def _train_summary(trained: Any, prepared: Any, mode: str, preset: str) -> dict[
 def _cmd_export(args: argparse.Namespace) -> int:
     from needle.model.adapter import export_model
 
+    if args.format == "gguf":  # the model file and, for a LoRA run, the adapter file: one path a line
+        from needle.model.gguf.export import export_gguf
+        from needle.registry import resolve_model_dir
+
+        for path in export_gguf(resolve_model_dir(args.model), args.out, args.type or "f16"):
+            print(path)
+        return 0
+    if args.type is not None:
+        raise UsageError("--type applies to --format gguf only")
     print(export_model(args.model, args.format, args.out))
     return 0
 
@@ -179,6 +188,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.prefix_cache_mb is not None:
         os.environ[PREFIX_CACHE_ENV] = str(args.prefix_cache_mb)  # read where the pyfunc builds its Predictor
+    from needle.model.gguf.reader import is_gguf_file
+
+    if is_gguf_file(args.model):  # a llama.cpp file: served as the needle model directory it imports to
+        import tempfile
+
+        from needle.model.gguf.importer import gguf_model_dir
+
+        with tempfile.TemporaryDirectory(prefix="needle-gguf-") as tmp:
+            serve(str(gguf_model_dir(args.model, Path(tmp) / "model")), host=args.host, port=args.port)
+        return 0
     serve(args.model, host=args.host, port=args.port)
     return 0
 
@@ -252,7 +271,7 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--preset", choices=preset_names(), default=None,
                    help="model preset (scratch: default small; lora/full: must match the base's)")
     p.add_argument("--base", default=None,
-                   help="base model (lora/full): a needle model dir, a Hugging Face model dir or hf:owner/name[@rev]")
+                   help="base model (lora/full): a needle model dir, a Hugging Face model dir, hf:owner/name[@rev] or a .gguf file")
     p.add_argument("--max-len", type=positive_int, default=None, help="an imported model's context (default 2048, capped by the model)")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the mode's)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the mode's)")
@@ -295,8 +314,11 @@ def _add_model_commands(sub: Any) -> None:
     p = sub.add_parser("export", help="write a model as a Hugging Face model, a PEFT LoRA adapter or Needle's files")
     p.add_argument("model", help="needle model dir, models:/needle@champion, or a Hugging Face model dir")
     p.add_argument("out", help="output directory")
-    p.add_argument("--format", choices=["hf", "peft", "needle"], default="hf",
-                   help="needle (Needle 3 models): checkpoint.safetensors, adapter.safetensors, model.cact")
+    p.add_argument("--format", choices=["hf", "peft", "needle", "gguf"], default="hf",
+                   help="needle (Needle 3 models): checkpoint.safetensors, adapter.safetensors, model.cact; "
+                        "gguf (llama.cpp): OUT/model.gguf and, for a LoRA run, OUT/adapter.gguf (OUT may be FILE.gguf)")
+    p.add_argument("--type", choices=["f16", "bf16", "q8_0", "f32"], default=None,
+                   help="GGUF tensor type of the matrices (default f16; norms stay f32)")
     p.set_defaults(func=_cmd_export)
 
 

