@@ -22,9 +22,12 @@ server has only ``/invocations``:
   500 with ``"type": "server_error"``. Either way the server keeps serving.
 - ``GET /v1/models``: the one model, so ``client.models.list()`` works.
 
-``stream: true`` answers OpenAI's server-sent event chunks of the same reply
-(needle/serve/stream.py; an error is still a 400 with the error object); ``n > 1`` is refused with
-400 (one constrained decode per request).
+Every reply carries OpenAI's ``usage`` and ``finish_reason`` (``stop``, ``tool_calls``, ``length``:
+a reply cut by its budget is a 200); ``max_tokens``, ``stop`` and the sampling fields are honoured
+or refused by name as needle/serve/requests.py says (``n > 1`` is a 400: decoding is greedy).
+``stream: true`` answers OpenAI's server-sent event chunks of the same reply, the usage in a last
+chunk with ``stream_options: {"include_usage": true}`` (needle/serve/stream.py; an error is still
+a 400 with the error object).
 FastAPI is imported at module level because the route handlers' annotations name its types.
 """
 
@@ -41,8 +44,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from needle.errors import UsageError
+from needle.serve.requests import ParamError
 from needle.serve.requests import chat_error as _error
-from needle.serve.stream import chunks, sse_events
+from needle.serve.stream import chunks, include_usage, sse_events
 
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
@@ -54,9 +58,10 @@ def refusal(body: Any) -> dict[str, Any] | None:
         return _error(f"the request body must be a JSON object, got {type(body).__name__}")
     if "messages" not in body:
         return _error("'messages' is a required property", "messages")
-    n = body.get("n")
-    if n not in (None, 1):
-        return _error("only n=1 is supported", "n")
+    try:
+        include_usage(body)
+    except ParamError as exc:
+        return _error(str(exc), exc.param)
     return None
 
 
@@ -102,7 +107,7 @@ def build_app(model: Any) -> Any:
         if "error" in answer:  # the server's own fault is a 500, the request's a 400
             return JSONResponse(answer, status_code=500 if answer["error"].get("type") == "server_error" else 400)
         if body.get("stream"):
-            return StreamingResponse(sse_events(chunks(answer)), media_type="text/event-stream",
+            return StreamingResponse(sse_events(chunks(answer, include_usage(body))), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         return JSONResponse(answer)
 

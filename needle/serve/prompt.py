@@ -24,7 +24,7 @@ from typing import Any
 from needle.data.schema import Row, parse_row
 from needle.data.turns import conversation_prompt
 
-__all__ = ["PLACEHOLDER", "Request", "conversation_prompt", "conversation_row"]
+__all__ = ["PLACEHOLDER", "Answer", "Request", "conversation_prompt", "conversation_row"]
 
 PLACEHOLDER = {"role": "assistant", "content": None, "tool_calls": []}
 
@@ -32,14 +32,30 @@ PLACEHOLDER = {"role": "assistant", "content": None, "tool_calls": []}
 @dataclass(frozen=True)
 class Request:
     """One request to the served model (needle/serve/engine.py): a ``query`` or the conversation so
-    far (``messages``), its tools, the grammar's ``mode`` (needle/eval/constrain.py ``MODES``) and,
-    for a named ``tool_choice``, the ``only`` tool it may call."""
+    far (``messages``), its tools, the grammar's ``mode`` (needle/eval/constrain.py ``MODES``),
+    for a named ``tool_choice`` the ``only`` tool it may call, the answer's token budget
+    (``max_tokens``; None: the server's) and the ``stop`` strings that end a text answer."""
 
     query: Any = None
     tools: Any = None
     messages: Any = None
     mode: str = "calls"
     only: str | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The engine's answer to one :class:`Request`: calls, ``{"content", "finished"}`` or an error
+    object, with the tokens of the prompt as the model saw it, the tokens decoded (the stop id
+    included; zero for a request refused before decoding) and whether the budget ran out before
+    the end marker (``cut``)."""
+
+    prediction: Any
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cut: bool = False
 
 
 def _as_trained(msg: Any) -> Any:

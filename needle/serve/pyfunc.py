@@ -65,13 +65,18 @@ def signature() -> Any:
     from mlflow.models.signature import ModelSignature
     from mlflow.types.schema import AnyType, Array, ColSpec, ParamSchema, ParamSpec, Schema
 
+    from needle.serve.requests import PROTOCOL_KEYS
+
     # ``messages`` (a conversation: its messages carry tool_calls, tool results, null contents) and
     # ``tools`` (a JSON string in the table shape, a list in the chat shape) are AnyType; the chat
-    # shape's ``tool_choice`` is declared so that MLflow passes it through.
+    # shape's ``tool_choice`` and OpenAI fields (``max_tokens``, ``stop``, ``temperature``…) are
+    # declared so that MLflow passes them through (it drops undeclared keys), AnyType so that
+    # needle.serve.requests checks them and names a bad one.
     return ModelSignature(
         inputs=Schema([ColSpec("string", "query", required=False), ColSpec(AnyType(), "tools", required=False),
                        ColSpec(Array(AnyType()), "messages", required=False),
-                       ColSpec(AnyType(), "tool_choice", required=False)]),  # fmt: skip
+                       ColSpec(AnyType(), "tool_choice", required=False),
+                       *(ColSpec(AnyType(), key, required=False) for key in PROTOCOL_KEYS)]),  # fmt: skip
         outputs=Schema([ColSpec("string", "calls", required=False), ColSpec("string", "content", required=False),
                         ColSpec("string", "error", required=False)]),  # fmt: skip
         params=ParamSchema([ParamSpec("constrained", "boolean", True)]),

@@ -19,12 +19,25 @@ function format (``[{"type": "function", "function": {"name", "description", "pa
 the prompt is the conversation rendered as training renders it. The answer is a
 ``chat.completion`` whose message holds ``tool_calls`` (``[{"id", "type": "function", "function":
 {"name", "arguments": JSON string}}]``, ``finish_reason`` ``"tool_calls"``) or the text
-``content`` (``finish_reason`` ``"stop"``, ``"length"`` when the token budget ran out).
+``content`` (``finish_reason`` ``"stop"``, ``"length"`` when the token budget ran out; a turn
+the budget cut before it could be read, such as a half-written call, is its raw text with
+``"length"``, not an error), and ``usage`` (``prompt_tokens`` as the model saw them,
+``completion_tokens`` decoded, the end marker included, and ``total_tokens``).
 ``tool_choice``: ``auto`` (default) lets the grammar write calls or text, ``required`` calls
 only (at least one), a named function calls to that tool only, ``none`` text only; the prompt
 lists every offered tool in each case. A request that cannot be served answers an ``error``
 object (``{"error": {"message", "type": "invalid_request_error"}}``) instead of failing the
 server.
+
+The chat body's sampling fields, as greedy decoding (needle/eval/decode.py) can honour them:
+``max_tokens``/``max_completion_tokens`` (an integer >= 1; both given: the smaller) is the
+answer's budget, capped by what the prompt leaves of the context (default: the server's, 96);
+``stop`` (a string or up to 4) cuts a text answer before the first one (``finish_reason``
+``"stop"``); ``temperature`` 0 or absent (at most ``GREEDY_TEMPERATURE``, 0.01, is read as 0:
+harnesses send 0.001 for "greedy"); ``top_p`` in (0, 1] and any integer ``seed`` change nothing
+in a greedy reply, so they are accepted; ``n`` 1, penalties 0 and ``logprobs`` false likewise.
+Anything else is refused with a 400 that names the field (``param``). The tools' schemas may be
+in the dialects clients send (needle/serve/dialects.py).
 
 ``params`` (``{"params": {"constrained": false}}`` over HTTP, or a chat body's own
 ``"constrained"`` key) turns the grammar off (``tool_choice`` is then not enforced); it is on by
@@ -39,9 +52,23 @@ import uuid
 from typing import Any
 
 from needle.data.render import compact_json
-from needle.serve.prompt import Request
+from needle.serve.prompt import Answer, Request
 
 CHAT_KEY = "messages"
+# The OpenAI fields a chat body may carry (module doc); the pyfunc signature declares them, so that
+# MLflow's /invocations passes them through.
+PROTOCOL_KEYS = ("max_tokens", "max_completion_tokens", "n", "stop", "temperature", "top_p", "seed",
+                 "presence_penalty", "frequency_penalty", "logprobs")  # fmt: skip
+GREEDY_TEMPERATURE = 0.01
+MAX_STOP = 4
+
+
+class ParamError(ValueError):
+    """A chat body's field that this server cannot honour; ``param`` names it (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _tools_of(value: Any) -> Any:
@@ -155,12 +182,17 @@ def table_answer(predictor: Any, model_input: Any, constrained: bool) -> Any:
 
 
 def _predict(predictor: Any, requests: list[Request], constrained: bool) -> list[Any]:
+    return [a.prediction for a in _answers(predictor, requests, constrained)]
+
+
+def _answers(predictor: Any, requests: list[Request], constrained: bool) -> list[Answer]:
     if not requests:
         return []
     try:
-        return predictor.predict(requests, constrained=constrained)
+        return predictor.predict_detailed(requests, constrained=constrained)
     except Exception as exc:  # noqa: BLE001  # a serving process must answer, not die
-        return [{"error": f"internal error: {type(exc).__name__}: {exc}", "raw": "", "internal": True}] * len(requests)
+        fault = {"error": f"internal error: {type(exc).__name__}: {exc}", "raw": "", "internal": True}
+        return [Answer(fault)] * len(requests)
 
 
 def chat_error(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -187,14 +219,79 @@ def _choice(choice: Any, tools: list[Any]) -> tuple[str, str | None]:
     return "required", name
 
 
+def _number(body: Any, key: str, integer: bool = False) -> float | int | None:
+    """``body[key]`` as a number (an integer with ``integer``), None when absent; ParamError if neither."""
+    value = _cell(body, key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (integer and isinstance(value, float) and not value.is_integer()):  # fmt: skip
+        raise ParamError(f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}", key)
+    return int(value) if integer else value
+
+
+def _budget(body: Any) -> int | None:
+    """The answer's token budget the body asks for (the smaller of the two fields), or None."""
+    given = []
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = _number(body, key, integer=True)
+        if value is not None and value < 1:
+            raise ParamError(f"{key} must be at least 1, got {value}", key)
+        if value is not None:
+            given.append(int(value))
+    return min(given) if given else None
+
+
+def _stops(body: Any) -> tuple[str, ...]:
+    value = _cell(body, "stop")
+    stops = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ParamError("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP:
+        raise ParamError(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    return tuple(stops)
+
+
+def _check_greedy(body: Any) -> None:
+    """ParamError naming the first sampling field that greedy decoding cannot honour (module doc)."""
+    n = _number(body, "n", integer=True)
+    if n is not None and n < 1:
+        raise ParamError(f"n must be at least 1, got {n}", "n")
+    if n is not None and n > 1:
+        raise ParamError(f"n={n} is not supported: decoding is greedy, so a request has one answer (send n=1 or "
+                         "leave it out)", "n")  # fmt: skip
+    temperature = _number(body, "temperature")
+    if temperature is not None and not 0 <= temperature <= GREEDY_TEMPERATURE:
+        raise ParamError(f"temperature={temperature:g} is not supported: this server decodes greedily (send 0, at "
+                         f"most {GREEDY_TEMPERATURE:g}, or leave it out)", "temperature")  # fmt: skip
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ParamError(f"top_p must be in (0, 1], got {top_p:g}", "top_p")
+    _number(body, "seed", integer=True)  # any integer: a greedy reply is the same under every seed
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, key)
+        if value:
+            raise ParamError(f"{key}={value:g} is not supported: decoding is greedy, without penalties (send 0 or "
+                             "leave it out)", key)  # fmt: skip
+    if _cell(body, "logprobs") not in (None, False):
+        raise ParamError("logprobs is not supported: replies carry no log-probabilities", "logprobs")
+
+
 def chat_request(body: dict[str, Any]) -> Request:
-    """The predictor's request for a chat body; ValueError saying what is wrong with it."""
+    """The predictor's request for a chat body; ValueError (ParamError for a field) saying what is wrong."""
     messages = _cell(body, CHAT_KEY)  # _cell: a numpy array as a list, a NaN (MLflow's empty cell) as None
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise ParamError("messages must be a non-empty list", CHAT_KEY)
+    _check_greedy(body)
     tools = _tools_of(_cell(body, "tools") if _cell(body, "tools") is not None else [])
     mode, only = _choice(_cell(body, "tool_choice"), tools)
-    return Request(messages=messages, tools=tools, mode=mode, only=only)
+    return Request(messages=messages, tools=tools, mode=mode, only=only, max_tokens=_budget(body), stop=_stops(body))
+
+
+def usage(answer: Answer) -> dict[str, int]:
+    """OpenAI's ``usage`` object of an answer."""
+    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens,
+            "total_tokens": answer.prompt_tokens + answer.completion_tokens}  # fmt: skip
 
 
 def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_name: str) -> dict[str, Any]:
@@ -203,12 +300,15 @@ def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_n
         request = chat_request(body)
         constrained = _flag(body.get("constrained"), constrained)
     except ValueError as exc:
-        return chat_error(str(exc))
-    pred = _predict(predictor, [request], constrained)[0]
-    if isinstance(pred, dict) and "error" in pred:
+        return chat_error(str(exc), getattr(exc, "param", None))
+    done = _answers(predictor, [request], constrained)[0]
+    pred = done.prediction
+    if isinstance(pred, dict) and "error" in pred and not done.cut:
         return chat_error(pred["error"], kind="server_error" if pred.get("internal") else "invalid_request_error")
     message: dict[str, Any] = {"role": "assistant", "content": None, "refusal": None}
-    if isinstance(pred, dict):
+    if isinstance(pred, dict) and "error" in pred:  # the budget ran out before the turn could be read
+        message["content"], finish = pred["raw"], "length"
+    elif isinstance(pred, dict):
         message["content"] = pred["content"]
         finish = "stop" if pred.get("finished", True) else "length"
     else:
@@ -225,4 +325,5 @@ def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_n
         "created": int(time.time()),
         "model": str(body.get("model") or model_name),
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "usage": usage(done),
     }

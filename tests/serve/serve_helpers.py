@@ -1,5 +1,6 @@
-"""Helpers of the serving tests that start a real server: a free port, a JSON POST, waiting for
-``/ping``, stopping the server's process group, reassembling an OpenAI stream."""
+"""Helpers of the serving tests that start a real server: a free port, a JSON POST (plain or
+server-sent events), waiting for ``/ping``, stopping the server's process group, reassembling an
+OpenAI stream."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def post(url: str, body: bytes | dict) -> tuple[int, object]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null")
+
+
+def post_events(url: str, body: dict) -> tuple[int, list]:
+    """POST ``body`` and read a ``text/event-stream`` answer: the JSON of each ``data:`` event
+    before ``data: [DONE]`` (which must end it)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.headers.get_content_type() == "text/event-stream"
+        data = [line[len(b"data: "):].decode() for line in resp.read().splitlines() if line.startswith(b"data: ")]
+        status = resp.status
+    assert data[-1] == "[DONE]", data[-3:]
+    return status, [json.loads(d) for d in data[:-1]]
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -59,10 +72,14 @@ def wait_for_ping(server: subprocess.Popen, base: str, log: Path, limit_s: float
 
 
 def reassemble(stream) -> dict:
-    """Content, (name, arguments) per call, call ids and finish_reason of a chat.completion.chunk stream."""
-    content, calls, finish = "", {}, None
+    """Content, (name, arguments) per call, call ids, finish_reason and usage (of the choiceless last
+    chunk, with ``stream_options={"include_usage": True}``; else None) of a chat.completion.chunk stream."""
+    content, calls, finish, usage = "", {}, None, None
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for part in delta.tool_calls or []:
@@ -73,4 +90,4 @@ def reassemble(stream) -> dict:
         finish = chunk.choices[0].finish_reason or finish
     ordered = [calls[i] for i in sorted(calls)]
     return {"content": content, "calls": [(c["name"], c["arguments"]) for c in ordered],
-            "ids": [c["id"] for c in ordered], "finish_reason": finish}  # fmt: skip
+            "ids": [c["id"] for c in ordered], "finish_reason": finish, "usage": usage}  # fmt: skip

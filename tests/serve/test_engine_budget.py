@@ -63,3 +63,33 @@ def test_an_explicit_budget_is_kept_whole(predictor: Predictor) -> None:
     (out,) = strict.predict([(query, TOOLS)], constrained=True)
     assert out == {"error": f"prompt has {length} tokens; at most {max_len - 96} fit with max_new_tokens=96",
                    "raw": ""}  # fmt: skip
+
+
+MESSAGES = [{"role": "user", "content": "remind me to ping the server"}]
+
+
+def test_a_requests_max_tokens_is_its_budget_capped_by_the_context(predictor: Predictor) -> None:
+    from needle.serve.prompt import conversation_prompt, conversation_row
+
+    prompt = len(conversation_prompt(predictor.fmt, conversation_row(MESSAGES, TOOLS), predictor.tok))
+    max_len = predictor.model.cfg.max_len
+    # A call list cut by a 2-token budget: unreadable, and cut (a 200 "length" reply in chat).
+    (cut,) = predictor.predict_detailed([Request(messages=MESSAGES, tools=TOOLS, mode="required", max_tokens=2)])
+    assert cut.cut and "within 2 tokens" in cut.prediction["error"], cut
+    assert (cut.prompt_tokens, cut.completion_tokens) == (prompt, 2)
+    # Budgets of one call may differ (decoded in separate batches); a budget past the context is
+    # capped by what the prompt leaves, not refused. The random model's text runs to its budget.
+    short, whole = predictor.predict_detailed([Request(messages=MESSAGES, tools=TOOLS, mode="none", max_tokens=3),
+                                               Request(messages=MESSAGES, tools=TOOLS, mode="none", max_tokens=10**6)])
+    assert short.prediction["finished"] is False and short.cut and short.completion_tokens == 3
+    assert whole.prediction["finished"] is False and whole.cut and whole.completion_tokens == max_len - prompt
+
+
+def test_stop_strings_cut_a_text_answer(predictor: Predictor) -> None:
+    (full,) = predictor.predict_detailed([Request(messages=MESSAGES, tools=TOOLS, mode="none")])
+    content = full.prediction["content"]
+    stop = content[len(content) // 3 :][:3]  # a string the answer holds, past its start
+    at = content.find(stop)
+    (cut,) = predictor.predict_detailed([Request(messages=MESSAGES, tools=TOOLS, mode="none", stop=("\x00", stop))])
+    assert cut.prediction == {"content": content[:at], "finished": True} and not cut.cut
+    assert 0 < cut.completion_tokens < full.completion_tokens and cut.prompt_tokens == full.prompt_tokens

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
 
-from needle.serve.prompt import Request
+from needle.serve.prompt import Answer, Request
 from needle.serve.requests import answer
 
 TOOL = {"name": "send_message", "parameters": {"type": "object", "properties": {"contact": {"type": "string"}}}}
@@ -14,12 +15,15 @@ CALL = {"name": "send_message", "arguments": {"contact": "Bob"}}
 
 
 class FakePredictor:
-    def __init__(self, reply):
-        self.reply, self.seen = reply, []
+    """Answers every request with ``reply``, a 12-token prompt and a 5-token completion (``cut``:
+    the budget ran out before the end marker)."""
 
-    def predict(self, requests, constrained=True):
+    def __init__(self, reply, cut=False):
+        self.reply, self.cut, self.seen = reply, cut, []
+
+    def predict_detailed(self, requests, constrained=True):
         self.seen.append((requests, constrained))
-        return [self.reply] * len(requests)
+        return [Answer(self.reply, 12, 5, self.cut)] * len(requests)
 
 
 def test_table_rows_get_calls_or_their_own_error() -> None:
@@ -61,7 +65,7 @@ def test_chat_without_calls_and_bad_chat_bodies() -> None:
 
 
 class BrokenPredictor:
-    def predict(self, requests, constrained=True):
+    def predict_detailed(self, requests, constrained=True):
         raise RuntimeError("decoder fault")
 
 
@@ -192,3 +196,83 @@ def _wait_for(condition, seconds: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_chat_replies_carry_usage_and_a_cut_turn_is_length_not_an_error() -> None:
+    body = {"messages": CONVERSATION, "tools": [TOOL]}
+    for reply, finish in (([CALL], "tool_calls"), ({"content": "Sent.", "finished": True}, "stop"),
+                          ({"content": "Sen", "finished": False}, "length"), ([], "stop")):  # fmt: skip
+        out = answer(FakePredictor(reply), body, {})
+        assert out["choices"][0]["finish_reason"] == finish
+        assert out["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+    # A call list the budget cut before its end marker: a 200 reply with the raw turn, not a 400.
+    cut = {"error": "no <|end|> within 5 tokens; unterminated", "raw": '<|call|>[{"na'}
+    out = answer(FakePredictor(cut, cut=True), body, {})
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == '<|call|>[{"na'
+    assert "tool_calls" not in choice["message"] and out["usage"]["completion_tokens"] == 5
+    assert answer(FakePredictor(cut), body, {})["error"]["message"] == cut["error"]  # unreadable, not cut: a 400
+    # The table shape keeps its error (it has no finish reason).
+    table = answer(FakePredictor(cut, cut=True), pd.DataFrame({"query": ["x"], "tools": [json.dumps([TOOL])]}), {})
+    assert table["error"][0].startswith("no <|end|> within 5 tokens")
+
+
+def test_protocol_fields_are_honoured_or_refused_by_name() -> None:
+    fake = FakePredictor({"content": "ok", "finished": True})
+    body = {"messages": CONVERSATION, "tools": [TOOL]}
+    accepted = [
+        ({}, None, ()),
+        ({"max_tokens": 7}, 7, ()),
+        ({"max_completion_tokens": 9}, 9, ()),
+        ({"max_tokens": 7, "max_completion_tokens": 9}, 7, ()),  # both: the smaller
+        ({"max_tokens": 7.0}, 7, ()),
+        ({"stop": "\n"}, None, ("\n",)),
+        ({"stop": ["a", "b"]}, None, ("a", "b")),
+        ({"temperature": 0, "top_p": 0.9, "seed": 7, "n": 1, "presence_penalty": 0, "logprobs": False}, None, ()),
+        ({"temperature": 0.001}, None, ()),  # a harness's "greedy"
+    ]
+    for extra, budget, stop in accepted:
+        out = answer(fake, {**body, **extra}, {})
+        assert "error" not in out, (extra, out)
+        assert fake.seen[-1][0] == [Request(messages=CONVERSATION, tools=[TOOL], mode="auto", max_tokens=budget,
+                                            stop=stop)]  # fmt: skip
+    seen = len(fake.seen)
+    refused = [
+        ({"max_tokens": 0}, "max_tokens", "at least 1"),
+        ({"max_completion_tokens": -3}, "max_completion_tokens", "at least 1"),
+        ({"max_tokens": "5"}, "max_tokens", "an integer"),
+        ({"max_tokens": 2.5}, "max_tokens", "an integer"),
+        ({"n": 2}, "n", "greedy"),
+        ({"n": 0}, "n", "at least 1"),
+        ({"temperature": 0.7}, "temperature", "decodes greedily"),
+        ({"temperature": "hot"}, "temperature", "a number"),
+        ({"top_p": 0}, "top_p", "(0, 1]"),
+        ({"seed": "x"}, "seed", "an integer"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "penalties"),
+        ({"frequency_penalty": 1}, "frequency_penalty", "penalties"),
+        ({"logprobs": True}, "logprobs", "log-probabilities"),
+        ({"stop": ["a"] * 5}, "stop", "at most 4"),
+        ({"stop": [""]}, "stop", "non-empty"),
+        ({"stop": 3}, "stop", "non-empty"),
+    ]
+    for extra, param, words in refused:
+        err = answer(fake, {**body, **extra}, {})["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param and words in err["message"], extra
+    assert len(fake.seen) == seen  # refused before the model
+
+
+def test_a_streamed_reply_ends_with_its_usage_when_asked() -> None:
+    from needle.serve.requests import ParamError
+    from needle.serve.stream import chunks, include_usage
+
+    out = answer(FakePredictor([CALL]), {"messages": CONVERSATION, "tools": [TOOL]}, {})
+    plain = list(chunks(out))
+    assert all("usage" not in p for p in plain) and plain[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    parts = list(chunks(out, include_usage({"stream_options": {"include_usage": True}})))
+    assert parts[:-1] == [{**p, "usage": None} for p in plain]  # the same chunks, each with usage null
+    assert parts[-1]["choices"] == [] and parts[-1]["usage"] == out["usage"]
+    assert include_usage({}) is False and include_usage({"stream_options": {}}) is False
+    for bad in ({"stream_options": "yes"}, {"stream_options": {"include_usage": "yes"}}):
+        with pytest.raises(ParamError) as err:
+            include_usage(bad)
+        assert err.value.param == "stream_options"
