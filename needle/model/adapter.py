@@ -63,14 +63,18 @@ def export_model(location: str, fmt: ExportFormat, out_dir: str | Path, gguf_typ
 
 
 def export_run_model(model_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
-    """The exports a run logs: ``hf`` always, ``peft`` for a LoRA run on an imported base."""
+    """The exports a run logs: ``hf`` always, ``peft`` for a LoRA run on an imported base, ``gguf``
+    (model.gguf, f16, and adapter.gguf) for a run on a GGUF base."""
     from needle.model.io import load_model
 
     out = Path(out_root)
-    if load_model(model_dir).model_cfg.arch == "needle3":  # Needle's own files; transformers has no Needle 3
+    loaded = load_model(model_dir)
+    if loaded.model_cfg.arch == "needle3":  # Needle's own files; transformers has no Needle 3
         return {"needle": export_model(str(model_dir), "needle", out / "needle")}
     paths = {"hf": export_model(str(model_dir), "hf", out / "hf")}
-    meta = load_model(model_dir).meta if (Path(model_dir) / ADAPTER_FILE).is_file() else {}
-    if meta.get("lora") and meta.get("base"):  # a PEFT adapter needs a base that transformers loads
-        paths["peft"] = export_model(str(model_dir), "peft", out / "peft")
+    meta = loaded.meta
+    if meta.get("lora") and meta.get("base") and (Path(model_dir) / ADAPTER_FILE).is_file():
+        paths["peft"] = export_model(str(model_dir), "peft", out / "peft")  # needs a base transformers loads
+    if (meta.get("base") or {}).get("format") == "gguf":  # came as GGUF, goes back as GGUF (+ its LoRA)
+        paths["gguf"] = export_model(str(model_dir), "gguf", out / "gguf").parent
     return paths

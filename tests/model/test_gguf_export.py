@@ -86,3 +86,19 @@ def test_predict_takes_the_exported_file(exported: Path, tmp_path: Path, capsys:
     code = main(["predict", str(exported / "model.gguf"), "--tools", str(tmp_path / "tools.json"), "--query", "Paris?"])
     calls = json.loads(capsys.readouterr().out.splitlines()[0])  # constrained: only the offered tool
     assert code == 0 and isinstance(calls, list) and {c["name"] for c in calls} <= {"get_weather"}
+
+
+def test_training_on_a_gguf_base_exports_gguf_again(exported: Path, tmp_path: Path, sample_data: dict[str, Path]) -> None:
+    """`needle train --base FILE.gguf` trains, and the run's exports (as the flow logs them) include GGUF."""
+    from needle.cli import main
+    from needle.model.adapter import export_run_model
+    from needle.model.io import load_model
+
+    base = exported / "model.gguf"
+    assert main(["train", str(sample_data["new"]), "--base", str(base), "--out", str(tmp_path / "run"), "--steps", "1",
+                 "--batch-size", "4", "--max-len", "2048", "--on-error", "drop"]) == 0  # fmt: skip
+    tuned = tmp_path / "run" / "model"
+    assert load_model(tuned).meta["base"]["source"] == str(base.absolute())
+    paths = export_run_model(tuned, tmp_path / "exports")
+    assert set(paths) == {"hf", "peft", "gguf"}
+    assert sorted(p.name for p in paths["gguf"].iterdir()) == ["adapter.gguf", "model.gguf"]
