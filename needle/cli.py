@@ -183,22 +183,18 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from needle.model.gguf.reader import is_gguf_file
     from needle.serve.engine import PREFIX_CACHE_ENV
     from needle.serve.http import serve
 
     if args.prefix_cache_mb is not None:
         os.environ[PREFIX_CACHE_ENV] = str(args.prefix_cache_mb)  # read where the pyfunc builds its Predictor
-    from needle.model.gguf.reader import is_gguf_file
-
-    if is_gguf_file(args.model):  # a llama.cpp file: served as the needle model directory it imports to
-        import tempfile
-
+    model = args.model
+    if is_gguf_file(model):  # a llama.cpp file: served as the needle model directory it imports to
         from needle.model.gguf.importer import gguf_model_dir
 
-        with tempfile.TemporaryDirectory(prefix="needle-gguf-") as tmp:
-            serve(str(gguf_model_dir(args.model, Path(tmp) / "model")), host=args.host, port=args.port)
-        return 0
-    serve(args.model, host=args.host, port=args.port)
+        model = str(gguf_model_dir(model, prepared_cache_dir().parent / "gguf"))
+    serve(model, host=args.host, port=args.port)
     return 0
 
 
@@ -286,7 +282,7 @@ def _add_model_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate", help="score the tool calls a model emits on a dataset")
-    p.add_argument("checkpoint", help="exported model directory or models:/needle/<version>")
+    p.add_argument("checkpoint", help="exported model directory, models:/needle/<version> or a .gguf file")
     p.add_argument("data", help="JSONL path or glob")
     p.add_argument("--out", default=None, help="report directory (default: <checkpoint>/../eval)")
     p.add_argument("--max-rows", type=positive_int, default=None)
@@ -295,7 +291,7 @@ def _add_model_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("predict", help="print the tool calls for a query (or stdin, one per line)")
-    p.add_argument("checkpoint", help="exported model directory or models:/needle/<version>")
+    p.add_argument("checkpoint", help="exported model directory, models:/needle/<version> or a .gguf file")
     p.add_argument("--tools", required=True, help="JSON file with the list of tools")
     p.add_argument("--query", default=None, help="the query (default: read stdin)")
     p.add_argument("--free", action="store_true",
@@ -303,7 +299,8 @@ def _add_model_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_predict)
 
     p = sub.add_parser("serve", help="serve a model over HTTP: MLflow's /invocations and OpenAI's /v1/chat/completions")
-    p.add_argument("model", help="models:/needle@champion, runs:/ID/model, an MLflow model dir or a needle model dir")
+    p.add_argument("model", help="models:/needle@champion, runs:/ID/model, an MLflow model dir, a needle model dir "
+                                 "or a .gguf file (imported once into $NEEDLE_CACHE_DIR/gguf)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=positive_int, default=5123, help="default 5123 (5000 is the MLflow UI's)")
     p.add_argument("--prefix-cache-mb", type=megabytes, default=None,
@@ -312,7 +309,7 @@ def _add_model_commands(sub: Any) -> None:
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("export", help="write a model as a Hugging Face model, a PEFT LoRA adapter or Needle's files")
-    p.add_argument("model", help="needle model dir, models:/needle@champion, or a Hugging Face model dir")
+    p.add_argument("model", help="needle model dir, models:/needle@champion, a Hugging Face model dir or a .gguf file")
     p.add_argument("out", help="output directory")
     p.add_argument("--format", choices=["hf", "peft", "needle", "gguf"], default="hf",
                    help="needle (Needle 3 models): checkpoint.safetensors, adapter.safetensors, model.cact; "

@@ -102,3 +102,14 @@ def test_training_on_a_gguf_base_exports_gguf_again(exported: Path, tmp_path: Pa
     paths = export_run_model(tuned, tmp_path / "exports")
     assert set(paths) == {"hf", "peft", "gguf"}
     assert sorted(p.name for p in paths["gguf"].iterdir()) == ["adapter.gguf", "model.gguf"]
+
+
+def test_serve_wraps_a_gguf_file_once(exported: Path, tmp_path: Path) -> None:
+    """What `needle serve FILE.gguf` serves: the import saved once per file content, then reused."""
+    from needle.model.gguf.importer import gguf_model_dir
+    from needle.model.io import load_model
+
+    first = gguf_model_dir(exported / "model.gguf", tmp_path)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert gguf_model_dir(exported / "model.gguf", tmp_path) == first and (first / "config.json").stat().st_mtime_ns == stamp
+    assert load_model(first).meta["base"]["format"] == "gguf"

@@ -9,7 +9,7 @@ with exit 2 before any training.
 
     loaded = import_gguf_model("SmolLM2-135M-Instruct.Q4_1.gguf", max_len=2048)
     loaded.meta["base"]   # {"source": ..., "format": "gguf", "file_type": "Q4_1", "arch": "llama", ...}
-    gguf_model_dir("model.gguf", "/tmp/served")   # the same, saved as a needle model directory
+    gguf_model_dir("model.gguf", "~/.cache/needle/gguf")   # the same, saved once as a needle model directory
 """
 
 from __future__ import annotations
@@ -56,9 +56,19 @@ def import_gguf_model(path: str | Path, *, max_len: int | None = None) -> Loaded
     return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
 
 
-def gguf_model_dir(path: str | Path, out_dir: str | Path) -> Path:
-    """Import ``path`` once and save it as a needle model directory (what ``needle serve`` wraps)."""
+def gguf_model_dir(path: str | Path, cache_root: str | Path) -> Path:
+    """``path`` imported once and saved as a needle model directory under ``cache_root``, keyed by the
+    file's content (what ``needle serve FILE.gguf`` wraps; a second start reuses it)."""
+    import hashlib
+
     from needle.model.io import save_model
 
-    loaded = import_gguf_model(path)
-    return save_model(out_dir, loaded.params, loaded.model_cfg, loaded.tokenizer, loaded.meta)
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    target = Path(cache_root) / digest.hexdigest()[:16]
+    if not (target / "config.json").is_file():  # save_model renames a complete directory into place
+        loaded = import_gguf_model(path)
+        save_model(target, loaded.params, loaded.model_cfg, loaded.tokenizer, loaded.meta)
+    return target
