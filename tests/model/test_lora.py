@@ -164,3 +164,20 @@ def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
     for a, b in zip(jax.tree.leaves(want[1]), jax.tree.leaves(got[1])):
         assert jnp.max(jnp.abs(a)) > 0
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_init_adapters_computes_the_adapters_of_init_params_only():
+    """The adapters a LoRA run starts from are init_params' own (same seed, same values); the
+    base leaves, replaced by the base's weights anyway, are only shapes."""
+    from needle.config import LoraConfig, model_preset
+    from needle.model.lora import init_adapters, init_params, split_trainable
+
+    cfg, lora = model_preset("tiny"), LoraConfig(rank=4)
+    full = init_params(cfg, lora, 3)
+    cheap = init_adapters(cfg, lora, 3)
+    assert jax.tree.structure(cheap) == jax.tree.structure(full)
+    (ta, fa), (tb, fb) = split_trainable(cheap, "lora"), split_trainable(full, "lora")
+    for a, b in zip(jax.tree.leaves(ta), jax.tree.leaves(tb)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(fa))
+    assert [x.shape for x in jax.tree.leaves(fa)] == [x.shape for x in jax.tree.leaves(fb)]

@@ -31,6 +31,18 @@ def _gemma(cfg):
     ))  # fmt: skip
 
 
+def test_auto_remat_keeps_matmul_outputs_only_where_they_fit(cfg, monkeypatch):
+    from needle.model import transformer
+
+    monkeypatch.setattr(transformer, "device_memory_bytes", lambda: 16 * 2**30)
+    assert transformer.resolve_remat("auto", cfg, 16 * 1024) == "dots_saveable"  # tiny model: a few MB
+    qwen = cfg.model_copy(update=dict(d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072, n_layers=28))
+    assert transformer.resolve_remat("auto", qwen, 16 * 1024) == "nothing_saveable"  # 15 GB of outputs
+    assert transformer.resolve_remat("dots_saveable", qwen, 16 * 1024) == "dots_saveable"
+    monkeypatch.setattr(transformer, "device_memory_bytes", lambda: None)
+    assert transformer.resolve_remat("auto", cfg, 8) == "nothing_saveable"
+
+
 def test_layer_period():
     assert layer_period(["full_attention"] * 30) == 1
     assert layer_period((["sliding_attention"] * 5 + ["full_attention"]) * 3) == 6
@@ -77,10 +89,11 @@ def test_scanned_gradients_equal_unrolled(cfg, make_tokens, mode, remat):
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(out_grads))
 
 
-@pytest.mark.parametrize("family", ["needle", "gemma3_text"])
-def test_scanned_cached_decoding_matches_full_forward(cfg, make_tokens, family):
+@pytest.mark.parametrize(("family", "backend"), [("needle", "cpu"), ("gemma3_text", "cpu"), ("needle", "tpu")])
+def test_scanned_cached_decoding_matches_full_forward(cfg, make_tokens, family, backend):
+    """backend "tpu" (float32 here) writes one-token steps into the cache by a select, not a scatter."""
     cfg = _gemma(cfg) if family == "gemma3_text" else cfg
-    model = Transformer(cfg, settings=SCAN)
+    model = Transformer(cfg, settings=dataclasses.replace(SCAN, backend=backend))
     params = model.init(jax.random.key(5), jnp.zeros((1, 8), jnp.int32))["params"]
     max_len, bucket, lengths = 16, 8, np.array([3, 8])
     full_tokens = make_tokens((2, max_len), seed=6)
