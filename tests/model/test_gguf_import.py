@@ -115,3 +115,18 @@ def test_gemma3_norms_are_stored_plus_one(hf_models: dict[str, Path], tmp_path: 
     np.testing.assert_array_equal(f.tensor("output_norm.weight"), np.asarray(hf.params["final_norm"]["scale"]) + 1)
     kinds = f.metadata["gemma3.attention.sliding_window_pattern"]
     assert kinds == [k == "sliding_attention" for k in hf.model_cfg.resolved_layer_types()] and False in kinds
+
+
+def test_llama3_rope_scaling_travels_as_rope_freqs(hf_models: dict[str, Path], tmp_path: Path) -> None:
+    """Llama 3.x files carry their RoPE scaling as llama.cpp's rope_freqs.weight divisors, both ways."""
+    from needle.config import RopeScaling
+    from needle.model.gguf.reader import read_gguf
+    from needle.model.gguf.writer import write_gguf
+    from needle.model.io import load_model
+
+    hf = load_model(hf_models["llama"])
+    cfg = hf.model_cfg.model_copy(update={"rope_theta": 500000.0, "rope_scaling": RopeScaling(type="llama3", factor=32.0)})
+    path = write_gguf(tmp_path / "l3.gguf", hf.params, cfg, hf.tokenizer, "f32")
+    divisors = read_gguf(path).tensor("rope_freqs.weight")
+    assert divisors.shape == (cfg.head_dim // 2,) and divisors[0] == 1.0 and divisors[-1] == 32.0
+    assert load_model(path).model_cfg.rope_scaling == cfg.rope_scaling

@@ -64,14 +64,18 @@ def tuned(tmp_path_factory: pytest.TempPathFactory, sample_data: dict[str, Path]
     return tuned_llama(tmp_path_factory.mktemp("gguf-llama-cpp"), sample_data["new"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled", "qwen2", "qwen3", "gemma3_text"])
 def test_f32_export_gives_needles_logits_in_llama_cpp(arch: str, tmp_path: Path, sample_data: dict[str, Path]) -> None:
+    from needle.config import RopeScaling
     from needle.model.gguf.writer import write_gguf
     from needle.model.io import load_model
 
-    m = load_model(tiny_hf_model(tmp_path, arch, sample_data["base"]))
+    m = load_model(tiny_hf_model(tmp_path, arch.removesuffix("3-scaled"), sample_data["base"]))
+    if arch == "llama3-scaled":  # Llama 3.x RoPE scaling: llama.cpp reads it from rope_freqs.weight
+        llama3 = {"rope_theta": 500000.0, "rope_scaling": RopeScaling(type="llama3", factor=32.0)}
+        m = m.__class__(m.params, m.model_cfg.model_copy(update=llama3), m.tokenizer, m.meta)
     path = write_gguf(tmp_path / "m.gguf", m.params, m.model_cfg, m.tokenizer, "f32")
-    ids = sample_prompts(m.tokenizer, sample_data["new"], 1)[0]
+    ids = sample_prompts(m.tokenizer, sample_data["new"], 1, limit=3500)[0]
     atol = 5e-3 if arch == "gemma3_text" else 1e-3  # module doc: llama.cpp's float16 GELU table
     np.testing.assert_allclose(_llama_logits(_llama(path), ids), logits(m, ids), atol=atol)
 

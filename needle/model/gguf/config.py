@@ -102,7 +102,7 @@ def gguf_to_hf_config(f: GGUFFile) -> dict[str, Any]:
     elif scaling != "none":
         raise f.fail(f"{arch}.rope.scaling.type {scaling!r} is not supported (none, linear)")
     if "rope_freqs.weight" in f.tensors:
-        raise f.fail("rope_freqs.weight (Llama 3.x's llama3 RoPE scaling as a tensor) is not supported yet")
+        hf["rope_scaling"] = _llama3_from_factors(f, hf, int(key("rope.scaling.original_context_length", 8192)))
     if arch == "gemma3":
         hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
                   rope_local_base_freq=_f32(key("rope.freq_base_swa", GEMMA3_LOCAL_THETA)),
@@ -111,6 +111,32 @@ def gguf_to_hf_config(f: GGUFFile) -> dict[str, Any]:
     else:
         hf["hidden_act"] = "silu"
     return hf
+
+
+def llama3_factors(cfg: ModelConfig) -> np.ndarray | None:
+    """llama.cpp's ``rope_freqs.weight`` of a ``llama3``-scaled config: each frequency's divisor."""
+    from needle.model.transformer import rope_inv_freq
+
+    if cfg.rope_scaling is None or cfg.rope_scaling.type != "llama3":
+        return None
+    plain = rope_inv_freq(cfg.model_copy(update={"rope_scaling": None, "arch": "llama"}))
+    return (plain / rope_inv_freq(cfg)).astype(np.float32)
+
+
+def _llama3_from_factors(f: GGUFFile, hf: dict[str, Any], original: int) -> dict[str, Any]:
+    """The ``llama3`` scaling whose divisors are the file's ``rope_freqs.weight`` (Llama 3.x's converter
+    writes them instead of the parameters): the largest divisor is the factor; low/high 1 and 4 and the
+    original context as every Llama 3.x has them, checked against the tensor."""
+    from needle.model.hf import hf_config_to_model_config
+
+    factors = f.tensor("rope_freqs.weight")
+    scaling = {"rope_type": "llama3", "factor": round(float(factors.max()), 4), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": original}  # fmt: skip
+    want = llama3_factors(hf_config_to_model_config({**hf, "rope_scaling": scaling}))
+    if want is None or want.shape != factors.shape or not np.allclose(want, factors, rtol=1e-4):
+        raise f.fail("rope_freqs.weight is not Llama 3.x's llama3 RoPE scaling (factor, 1, 4, "
+                     f"{original}); other frequency divisors are not supported")  # fmt: skip
+    return scaling
 
 
 def _gemma3_metadata(cfg: ModelConfig) -> dict[str, Any]:
@@ -143,10 +169,10 @@ def gguf_metadata(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
         "rope.dimension_count": cfg.head_dim, "rope.freq_base": float(cfg.rope_theta),
         "attention.layer_norm_rms_epsilon": float(cfg.norm_eps), "vocab_size": cfg.vocab_size,
     }  # fmt: skip
-    if cfg.rope_scaling is not None:
-        if cfg.rope_scaling.type != "linear":
-            raise ModelImportError(f"RoPE scaling {cfg.rope_scaling.type!r} cannot be written as GGUF yet (linear can)")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type == "linear":
         meta.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_scaling.factor)})
+    elif cfg.rope_scaling is not None:  # llama3: the divisors travel as the rope_freqs.weight tensor
+        meta["rope.scaling.original_context_length"] = cfg.rope_scaling.original_max_len
     if arch == "gemma3":
         meta.update(_gemma3_metadata(cfg))
     if cfg.final_softcap:

@@ -108,5 +108,11 @@ def params_to_gguf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.nda
     """Needle params -> ``{gguf name: float32 array}`` in llama.cpp's layout (the inverse of the above)."""
     from needle.model.hf_weights import params_to_hf_tensors
 
+    from needle.model.gguf.config import llama3_factors
+
     hf = params_to_hf_tensors(params, cfg, np.float32)
-    return {(n := gguf_name(k, cfg.post_norms)): _convert(n, np.asarray(v), cfg, undo=False) for k, v in hf.items()}
+    out = {(n := gguf_name(k, cfg.post_norms)): _convert(n, np.asarray(v), cfg, undo=False) for k, v in hf.items()}
+    factors = llama3_factors(cfg)
+    if factors is not None:  # Llama 3.x: llama.cpp reads its RoPE scaling from this tensor
+        out["rope_freqs.weight"] = factors
+    return out
