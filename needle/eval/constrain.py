@@ -61,7 +61,8 @@ LIBRARY = "llguidance"
 # A constrained row with this many tokens of budget left is steered to finish its call list:
 # among the tokens the grammar allows it picks those that close strings, objects and the list
 # (and a stop id as soon as one is allowed), so a call list is complete before the budget ends.
-# A row answering in words (Constraints.answers_in_text) is not steered.
+# Only a row that has opened a call list is steered (Constraints.opens_call_list): an answer in
+# words, or a reply that has not begun one, is the same whatever its budget.
 CLOSE_RESERVE = 24
 CACHE_SIZE = 256
 
@@ -287,23 +288,19 @@ class Constraints:
             self._bytes = [self._lltok.decode_bytes([i]) for i in range(self.tok_vocab)]
         return self._bytes
 
-    def answers_in_text(self, ids: Sequence[int]) -> bool:
-        """Whether a row's output ``ids`` so far is an answer in words (``auto``/``none`` modes): it
-        has tokens, and neither a call opener (``<|call|>``, ``<tool_call>``, a leading ``[``/``{``
-        in the JSON formats) nor a reasoning block. Steering (``CLOSE_RESERVE``) closes call lists
-        and leaves such a row alone: text runs to its budget and reports that it was cut."""
-        if not len(ids):
-            return False
+    def opens_call_list(self, ids: Sequence[int]) -> bool:
+        """Whether a row's output ``ids`` so far has opened a call list: a call opener
+        (``<|call|>``, ``<tool_call>``) or, in the JSON formats, a leading ``[``/``{``. Steering
+        (``CLOSE_RESERVE``) closes only such a row: an answer in words, or one that has not begun
+        a call (an empty reasoning block at most), decodes as it would with any budget."""
         openers = {self._specials.get(t) for t in (CALL, "<tool_call>")} - {None}
         if any(int(i) in openers for i in ids):
-            return False
+            return True
         table = self.token_bytes()
-        text = b"".join(table[int(i)] for i in ids if int(i) < len(table)).decode("utf-8", "replace").lstrip()
-        if not text or text.startswith(("<think>", "<|think|>")):
-            return False
+        text = b"".join(table[int(i)] for i in ids if int(i) < len(table)).decode("utf-8", "replace")
         if self.kind in ("native", "needle3", "hermes"):
-            return CALL not in text and "<tool_call>" not in text
-        return text[:1] not in ("[", "{") and not text.startswith(("```", "<|python_tag|>"))
+            return CALL in text or "<tool_call>" in text
+        return text.lstrip()[:1] in ("[", "{")
 
     def close_scores(self, model_vocab: int) -> np.ndarray:
         """``[2, vocab]`` closing scores (see ``CLOSE_RESERVE``): row 0 outside a JSON string, the

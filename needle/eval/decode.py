@@ -26,7 +26,9 @@ With ``matchers`` (one grammar matcher or None per prompt, needle/serve/constrai
 holds a constrained row decodes on a host loop instead: one jitted prefill, then one jitted cached
 step per token; before each argmax the logits are masked on the device with the rows' bitmasks
 (``[rows, ceil(vocab/32)]`` int32, filled by the matchers in parallel on the host), and each
-chosen token is fed back to its row's matcher. Free batches keep the single compiled loop.
+chosen token is fed back to its row's matcher. ``on_token`` (streaming) takes that host loop too,
+unmasked for free rows; other free batches keep the single compiled loop. A constrained row with
+``CLOSE_RESERVE`` tokens of budget left is steered to close its call list once it has opened one.
 With a ``prefix_cache`` (needle/serve/prefix_cache.py; the server keeps one) a prompt whose
 leading 16-token blocks were prefilled before starts from those cached keys and values, and only
 the rest is prefilled, at explicit positions; without a hit the path is the one above.
@@ -40,7 +42,7 @@ the rest is prefilled, at explicit positions; without a hit the path is the one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -200,46 +202,65 @@ def _step_masked(model: Transformer, params: Any, cache: Any, tok: jax.Array, po
     return _masked_argmax(logits[:, 0], bits, closing, scores), upd["cache"]
 
 
-def _decode_batch_constrained(
+@partial(jax.jit, static_argnames="model", donate_argnames="cache")
+def _prefill_free(model: Transformer, params: Any, cache: Any, tokens: jax.Array, lengths: jax.Array,
+                  starts: jax.Array | None = None) -> tuple[jax.Array, Any]:  # fmt: skip
+    last, cache = _prefill(model, params, cache, tokens, lengths, starts)
+    return jnp.argmax(last, axis=-1).astype(jnp.int32), cache
+
+
+@partial(jax.jit, static_argnames="model", donate_argnames="cache")
+def _step_free(model: Transformer, params: Any, cache: Any, tok: jax.Array, pos: jax.Array) -> tuple[jax.Array, Any]:
+    logits, upd = model.apply({"params": params, "cache": cache}, tok[:, None], pos[:, None], decode=True,
+                              mutable=["cache"])  # fmt: skip
+    return jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32), upd["cache"]
+
+
+def _decode_host(
     model: Transformer, params: Any, cache: Any, tokens: np.ndarray, lengths: np.ndarray, limits: np.ndarray,
     stops: np.ndarray, pad_id: int, max_new: int, matchers: list[Any], constraints: Any,
-    starts: np.ndarray | None = None,
+    starts: np.ndarray | None = None, on_token: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, int, Any]:  # fmt: skip
-    """The host-loop twin of :func:`_decode_batch`: the same greedy steps with grammar masks.
-
-    Returns the tokens, how many constrained rows were steered to close (``CLOSE_RESERVE``) and
-    the cache.
-    """
+    """The host-loop twin of :func:`_decode_batch`: one jitted step per token, masked for rows with
+    a matcher, ``on_token(row, id)`` as each live row's token is chosen (its stop id included).
+    Returns the tokens, how many rows were steered to close (module doc: only once a row has
+    opened a call list, so text, or a list not yet begun, is what any budget gives) and the cache."""
     from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
 
-    masks = BatchMasks(matchers, constraints.tok_vocab, model.cfg.vocab_size, stops.tolist())
-    scores = constraints.close_scores(model.cfg.vocab_size)
-    constrained = np.array([m is not None for m in matchers])
-    rows = tokens.shape[0]
+    constrained = np.array([m is not None for m in matchers]) if matchers else np.zeros(len(limits), bool)
+    rows, masked = tokens.shape[0], bool(constrained.any())
+    if masked:
+        masks = BatchMasks(matchers, constraints.tok_vocab, model.cfg.vocab_size, stops.tolist())
+        scores, token_bytes = constraints.close_scores(model.cfg.vocab_size), constraints.token_bytes()
+        nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, np.zeros(rows, np.int32),
+                                     scores, starts)  # fmt: skip
+    else:
+        nxt, cache = _prefill_free(model, params, cache, tokens, lengths, starts)
     out = np.full((rows, max_new), pad_id, np.int32)
-    closing = (constrained & (limits <= CLOSE_RESERVE)).astype(np.int32)
-    nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, closing, scores, starts)
-    nxt = np.asarray(nxt)
-    out[:, 0] = nxt
-    done = np.isin(nxt, stops) | (limits <= 1)
-    steered = (closing > 0) & ~done
-    token_bytes = constraints.token_bytes()
+    nxt = out[:, 0] = np.asarray(nxt)
+    done = limits < 1  # batch padding: no tokens, no callbacks
+    opened, steered = np.zeros(rows, bool), np.zeros(rows, bool)
     pos = lengths.astype(np.int32)
-    for step in range(1, max_new):
+    for step in range(max_new):
+        if step:
+            feed = np.where(done, pad_id, nxt).astype(np.int32)
+            if masked:
+                masks.update(nxt, done, token_bytes)
+                near_end = constrained & ~done & (limits - step <= CLOSE_RESERVE)
+                for r in np.flatnonzero(near_end & ~opened):
+                    opened[r] = constraints.opens_call_list(out[r, :step])
+                steered |= near_end & opened
+                closing = np.where(near_end & opened, np.where(masks.in_string, 2, 1), 0).astype(np.int32)
+                nxt, cache = _step_masked(model, params, cache, feed, pos, masks.bits, closing, scores)
+            else:
+                nxt, cache = _step_free(model, params, cache, feed, pos)
+            nxt = np.where(done, pad_id, np.asarray(nxt)).astype(np.int32)
+            out[:, step], pos = nxt, pos + 1
+        for r in np.flatnonzero(~done) if on_token is not None else ():
+            on_token(int(r), int(nxt[r]))
+        done = done | np.isin(nxt, stops) | (step + 1 >= limits)
         if done.all():
             break
-        masks.update(nxt, done, token_bytes)
-        feed = np.where(done, pad_id, nxt).astype(np.int32)
-        near_end = constrained & ~done & (limits - step <= CLOSE_RESERVE)
-        for r in np.flatnonzero(near_end):  # text is not closed early: it runs to its budget
-            near_end[r] = not constraints.answers_in_text(out[r, :step])
-        steered |= near_end
-        closing = np.where(near_end, np.where(masks.in_string, 2, 1), 0).astype(np.int32)
-        nxt, cache = _step_masked(model, params, cache, feed, pos, masks.bits, closing, scores)
-        nxt = np.where(done, pad_id, np.asarray(nxt)).astype(np.int32)
-        out[:, step] = nxt
-        pos = pos + 1
-        done = done | np.isin(nxt, stops) | (step + 1 >= limits)
     return out, int(steered.sum()), cache
 
 
@@ -265,6 +286,7 @@ def generate_detailed(
     matchers: Sequence[Any | None] | None = None,
     constraints: Any = None,
     prefix_cache: Any = None,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Like :func:`generate`, also saying which rows finished and how many tokens were made.
 
@@ -272,7 +294,8 @@ def generate_detailed(
     ``constraints``, the ``needle.serve.constrain.Constraints`` that made them. ``prefix_cache``
     (a ``needle.serve.prefix_cache.PrefixCache`` of this model and params) supplies the keys and
     values of prompt prefixes it has seen, so only the rest of each prompt is prefilled, and
-    keeps this call's prompts for later ones.
+    keeps this call's prompts for later ones. ``on_token(i, id)`` is called as each token of
+    prompt ``i`` is chosen (its stop id included), from a host loop: streaming (needle/serve/stream.py).
     """
     if matchers is not None and constraints is None:
         raise ValueError("matchers need the constraints that made them")
@@ -308,10 +331,10 @@ def generate_detailed(
             limits[r] = min(max_new_tokens, max_len - len(prompts[i]))
         reused = starts if starts.any() else None
         row_matchers = [matchers[i] for i in chunk] + [None] * (rows - len(chunk)) if matchers else []
-        if any(m is not None for m in row_matchers):
-            out, steered, cache = _decode_batch_constrained(model, params, cache, tokens, lengths, limits, stops,
-                                                            pad_id, max_new_tokens, row_matchers, constraints,
-                                                            reused)  # fmt: skip
+        if any(m is not None for m in row_matchers) or on_token is not None:
+            emit = None if on_token is None else lambda r, t, chunk=chunk: on_token(chunk[r], t)
+            out, steered, cache = _decode_host(model, params, cache, tokens, lengths, limits, stops, pad_id,
+                                               max_new_tokens, row_matchers, constraints, reused, emit)  # fmt: skip
             n_steered += steered
         else:
             # stop/pad ids are traced, not static: one compiled program serves every tokenizer.

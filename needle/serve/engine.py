@@ -42,7 +42,9 @@ Concurrent callers (the scoring server runs each request in a thread) are batche
 decode runs, newly arrived rows queue; the next caller to find the decoder idle decodes every
 queued row with the same budget (up to ``batch_size``, constrained and free rows together:
 matchers are per row) and hands each caller its own results. Four concurrent one-query clients
-thus share one decode instead of waiting for four.
+thus share one decode instead of waiting for four. A caller's ``on_token`` hears its rows' tokens
+as they are decoded, from the decoding thread (a streamed reply, needle/serve/stream.py); a batch
+with such a row decodes on the host loop (needle/eval/decode.py).
 
     p = Predictor(load_model("runs/tuned/model"))
     p.predict([("turn on the lights", tools)], constrained=True)
@@ -52,7 +54,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from needle.config import EvalConfig
@@ -140,8 +143,10 @@ class Predictor:
         """Calls, text or an error object per request (``(query, tools)`` or :class:`Request`); module doc."""
         return [a.prediction for a in self.predict_detailed(requests, constrained)]
 
-    def predict_detailed(self, requests: Sequence[Any], constrained: bool = True) -> list[Answer]:
-        """:meth:`predict`'s predictions with their token counts (module doc)."""
+    def predict_detailed(self, requests: Sequence[Any], constrained: bool = True,
+                         on_token: Callable[[int, int], None] | None = None) -> list[Answer]:
+        """:meth:`predict`'s predictions with their token counts (module doc); ``on_token(i, id)``
+        hears each token of request ``i`` as it is decoded (streaming)."""
         from needle.eval.constrain import ToolSchemaError
 
         out: list[Answer] = [Answer(error("not decoded"))] * len(requests)
@@ -180,7 +185,7 @@ class Predictor:
                 out[i] = Answer(error(f"prompt has {len(ids)} tokens; at most {longest} fit {room}"))
         if not fits:
             return out
-        pending = [_Pending(p, m, self._budget(req)) for _, req, p, m in fits]
+        pending = [_Pending(p, m, self._budget(req), on_token and partial(on_token, i)) for i, req, p, m in fits]
         self._decode_batched(pending)
         for (i, req, _, _), done in zip(fits, pending):
             pred = self._read(self.tok.decode(done.ids), done.finished, req.mode, self._limit(done.prompt, done.budget))
@@ -266,11 +271,13 @@ class Predictor:
             try:
                 matchers = [p.matcher for p in batch]
                 constrained = any(m is not None for m in matchers)
+                hear = [p.on_token for p in batch]
                 gen = generate_detailed(
                     self.model, self.loaded.params, [p.prompt for p in batch], max_new_tokens=budget,
                     end_id=self.tok.stop_ids, pad_id=self.tok.pad_id, batch_size=size, overflow="shrink",
                     matchers=matchers if constrained else None, constraints=self._constraints if constrained else None,
                     prefix_cache=self.prefix_cache,
+                    on_token=(lambda i, t: hear[i] and hear[i](t)) if any(hear) else None,
                 )  # fmt: skip
                 for p, ids, finished in zip(batch, gen.ids, gen.finished):
                     p.ids, p.finished, p.ready = ids, finished, True
@@ -289,10 +296,10 @@ class Predictor:
 class _Pending:
     """One row waiting for the batched decoder, and its result."""
 
-    __slots__ = ("prompt", "matcher", "budget", "ids", "finished", "ready", "error")
+    __slots__ = ("prompt", "matcher", "budget", "on_token", "ids", "finished", "ready", "error")
 
-    def __init__(self, prompt: list[int], matcher: Any, budget: int) -> None:
-        self.prompt, self.matcher, self.budget = prompt, matcher, budget
+    def __init__(self, prompt: list[int], matcher: Any, budget: int, on_token: Callable[[int], Any] | None) -> None:
+        self.prompt, self.matcher, self.budget, self.on_token = prompt, matcher, budget, on_token
         self.ids: list[int] = []
         self.finished = False
         self.ready = False

@@ -16,8 +16,9 @@ server has only ``/invocations``:
   calls and ``tool`` results included; ``tools`` in the function format; ``tool_choice``
   ``auto``/``none``/``required``/a named function) answered with a ``chat.completion`` whose
   message holds ``tool_calls`` or text ``content``. Both go through the pyfunc model's own
-  ``predict`` (``needle.serve.requests.chat_answer``). A request that cannot be served (a bad
-  conversation included) answers HTTP 400 with OpenAI's ``{"error": {...}}`` object (client
+  ``predict`` (``needle.serve.requests.chat_answer``; a streamed one calls that with the pyfunc's
+  predictor and a hook for each decoded token, needle/serve/stream.py). A request that cannot be
+  served (a bad conversation included) answers HTTP 400 with OpenAI's ``{"error": {...}}`` object (client
   libraries raise ``BadRequestError``); a fault of the server's own (the decoder raising) answers
   500 with ``"type": "server_error"``. Either way the server keeps serving.
 - ``GET /v1/models``: the one model, so ``client.models.list()`` works.
@@ -25,9 +26,10 @@ server has only ``/invocations``:
 Every reply carries OpenAI's ``usage`` and ``finish_reason`` (``stop``, ``tool_calls``, ``length``:
 a reply cut by its budget is a 200); ``max_tokens``, ``stop`` and the sampling fields are honoured
 or refused by name as needle/serve/requests.py says (``n > 1`` is a 400: decoding is greedy).
-``stream: true`` answers OpenAI's server-sent event chunks of the same reply, the usage in a last
-chunk with ``stream_options: {"include_usage": true}`` (needle/serve/stream.py; an error is still
-a 400 with the error object).
+``stream: true`` answers OpenAI's server-sent event chunks of the same reply, sent as it is
+decoded (the text token by token, each call once the list is complete), the usage in a last
+chunk with ``stream_options: {"include_usage": true}`` (needle/serve/stream.py; a request refused
+before decoding is still a 400 with the error object).
 FastAPI is imported at module level because the route handlers' annotations name its types.
 """
 
@@ -46,7 +48,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from needle.errors import UsageError
 from needle.serve.requests import ParamError
 from needle.serve.requests import chat_error as _error
-from needle.serve.stream import chunks, include_usage, sse_events
+from needle.serve.stream import include_usage, live
 
 CHAT_ROUTE = "/v1/chat/completions"
 MODELS_ROUTE = "/v1/models"
@@ -101,14 +103,16 @@ def build_app(model: Any) -> Any:
         refused = refusal(body)
         if refused is not None:
             return JSONResponse(refused, status_code=400)
-        # The pyfunc's own predict (the chat shape of needle.serve.requests); a thread, so that
-        # concurrent requests meet in the predictor's batch.
-        answer = await asyncio.to_thread(caller.predict, None, body, {})
+        if body.get("stream"):  # sent while it is decoded (needle/serve/stream.py)
+            answer, events = await live(caller.predictor, body, name)
+            if events is not None:
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        else:
+            # The pyfunc's own predict (the chat shape of needle.serve.requests); a thread, so that
+            # concurrent requests meet in the predictor's batch.
+            answer = await asyncio.to_thread(caller.predict, None, body, {})
         if "error" in answer:  # the server's own fault is a 500, the request's a 400
             return JSONResponse(answer, status_code=500 if answer["error"].get("type") == "server_error" else 400)
-        if body.get("stream"):
-            return StreamingResponse(sse_events(chunks(answer, include_usage(body))), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
         return JSONResponse(answer)
 
     async def list_models() -> JSONResponse:

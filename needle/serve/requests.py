@@ -185,10 +185,12 @@ def _predict(predictor: Any, requests: list[Request], constrained: bool) -> list
     return [a.prediction for a in _answers(predictor, requests, constrained)]
 
 
-def _answers(predictor: Any, requests: list[Request], constrained: bool) -> list[Answer]:
+def _answers(predictor: Any, requests: list[Request], constrained: bool, on_token: Any = None) -> list[Answer]:
     if not requests:
         return []
     try:
+        if on_token is not None:  # a streamed chat request: one request, its tokens as they are decoded
+            return predictor.predict_detailed(requests, constrained=constrained, on_token=lambda _, t: on_token(t))
         return predictor.predict_detailed(requests, constrained=constrained)
     except Exception as exc:  # noqa: BLE001  # a serving process must answer, not die
         fault = {"error": f"internal error: {type(exc).__name__}: {exc}", "raw": "", "internal": True}
@@ -242,7 +244,7 @@ def _budget(body: Any) -> int | None:
     return min(given) if given else None
 
 
-def _stops(body: Any) -> tuple[str, ...]:
+def stop_strings(body: Any) -> tuple[str, ...]:
     value = _cell(body, "stop")
     stops = [] if value is None else [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -285,7 +287,8 @@ def chat_request(body: dict[str, Any]) -> Request:
     _check_greedy(body)
     tools = _tools_of(_cell(body, "tools") if _cell(body, "tools") is not None else [])
     mode, only = _choice(_cell(body, "tool_choice"), tools)
-    return Request(messages=messages, tools=tools, mode=mode, only=only, max_tokens=_budget(body), stop=_stops(body))
+    return Request(messages=messages, tools=tools, mode=mode, only=only, max_tokens=_budget(body),
+                   stop=stop_strings(body))
 
 
 def usage(answer: Answer) -> dict[str, int]:
@@ -294,14 +297,16 @@ def usage(answer: Answer) -> dict[str, int]:
             "total_tokens": answer.prompt_tokens + answer.completion_tokens}  # fmt: skip
 
 
-def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_name: str) -> dict[str, Any]:
-    """An OpenAI ``chat.completion`` (tool calls or text) for one chat body, or an error object."""
+def chat_answer(predictor: Any, body: dict[str, Any], constrained: bool, model_name: str,
+                on_token: Any = None) -> dict[str, Any]:
+    """An OpenAI ``chat.completion`` (tool calls or text) for one chat body, or an error object;
+    ``on_token(id)`` hears each token as it is decoded (``stream: true``, needle/serve/stream.py)."""
     try:
         request = chat_request(body)
         constrained = _flag(body.get("constrained"), constrained)
     except ValueError as exc:
         return chat_error(str(exc), getattr(exc, "param", None))
-    done = _answers(predictor, [request], constrained)[0]
+    done = _answers(predictor, [request], constrained, on_token)[0]
     pred = done.prediction
     if isinstance(pred, dict) and "error" in pred and not done.cut:
         return chat_error(pred["error"], kind="server_error" if pred.get("internal") else "invalid_request_error")

@@ -92,3 +92,18 @@ def test_several_stop_ids_stop_each_row_at_the_first_one(tiny: tuple[Transformer
     assert one == generate(model, params, prompts, max_new_tokens=NEW, end_id=stops[0], pad_id=PAD, batch_size=2)
     with pytest.raises(ValueError, match="at least one stop id"):
         generate(model, params, prompts, max_new_tokens=NEW, end_id=(), pad_id=PAD, batch_size=2)
+
+
+def test_on_token_hears_each_token_as_chosen_and_changes_no_output(tiny: tuple[Transformer, dict]) -> None:
+    """A streamed decode (``on_token``) runs the host loop, unmasked for free rows: the same ids
+    as the single compiled loop, each token heard in order, its stop id included."""
+    model, params = tiny
+    prompts = _prompts([5, 12, 3], seed=1)
+    free = generate(model, params, prompts, max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=2)
+    stop = free[0][2]  # row 0 stops at its third token, the others run to the budget
+    kw = {"max_new_tokens": NEW, "end_id": stop, "pad_id": PAD, "batch_size": 2}
+    whole = generate_detailed(model, params, prompts, **kw)
+    heard: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    live = generate_detailed(model, params, prompts, on_token=lambda i, t: heard[i].append(t), **kw)
+    assert live == whole and live.finished[0] and not live.finished[1]
+    assert [heard[i] for i in range(3)] == [ids + [stop] * done for ids, done in zip(whole.ids, whole.finished)]
