@@ -128,7 +128,7 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
     from needle.model.hf import is_hf_model_dir
     from needle.model.needle3_io import import_needle3_model, is_needle3_source
 
-    if is_gguf_file(model_dir):  # a llama.cpp file: needle/model/gguf/
+    if is_gguf_file(model_dir) or str(model_dir).lower().endswith(".gguf"):  # llama.cpp's file: needle/model/gguf/
         from needle.model.gguf.importer import import_gguf_model
 
         return import_gguf_model(model_dir, max_len=max_len)
