@@ -71,3 +71,29 @@ def blocked_attention(
                        q_seg, k_seg))  # fmt: skip
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out.reshape(b, t, h, hd)
+
+
+def softcapped_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, window: int | None, scale: float | None,
+    softcap: float, segment_mask: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
+    """Attention with ``softcap * tanh(logits / softcap)`` before the mask (Gemma 2 style), in float32.
+
+    ``jax.nn.dot_product_attention`` has no soft cap, so this spells attention out; used only
+    by configs that set ``attn_softcap``.
+    """
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
+    logits = softcap * jnp.tanh(logits / softcap)
+    if mask is None:
+        t, s = q.shape[1], k.shape[1]
+        rel = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+        mask = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
+        mask = mask[None, None]
+        if segment_mask is not None:
+            mask = mask & segment_mask
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)

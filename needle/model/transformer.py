@@ -32,28 +32,24 @@ Master weights are ``settings.param_dtype`` (float32); activations and matmuls r
 Cached decoding (used by needle/eval/decode.py)
 -----------------------------------------------
 The cache lives in the ``"cache"`` collection: per block ``attn/cached_key`` and
-``attn/cached_value``, each ``[B, max_len, n_kv_heads, head_dim]`` in the compute dtype. There is
-no cache index: **the positions you pass are the cache slots**. A call with ``decode=True``
-writes token ``t`` of row ``b`` into slot ``positions[b, t]`` and lets it attend to every slot
-``<= positions[b, t]`` of its own row. So:
+``attn/cached_value``, each ``[B, max_len, n_kv_heads, head_dim]`` in the compute dtype (scanned
+layers: stacked, ``layers/<j>/attn/...`` with a leading ``[L / period]`` axis). There is no cache
+index: **the positions you pass are the cache slots**. A call with ``decode=True`` writes token
+``t`` of row ``b`` into slot ``positions[b, t]`` and lets it attend to every slot ``<=
+positions[b, t]`` of its own row. So:
 
-1. ``cache = init_cache(model, B, max_len)`` (zeros; or
-   ``model.init(rng, jnp.zeros((B, max_len), jnp.int32), decode=True)["cache"]``, which only lays
-   the cache out and writes nothing).
-2. Prefill: right-pad the prompts to one bucket length ``T <= max_len`` (any pad id) and call
-   ``logits, upd = model.apply({"params": p, "cache": cache}, prompts, positions, decode=True,
-   mutable=["cache"])`` with ``positions = arange(T)`` for every row (``positions=None`` means
-   exactly that). Row ``b`` with ``n_b`` real tokens reads its next-token logits at
-   ``logits[b, n_b - 1]``. Its padding was written into slots ``n_b..T-1``; that is harmless
-   because those slots are masked until overwritten (step 3 writes slot ``n_b`` first).
-3. Steps: feed one token per row, ``tokens[B, 1]`` with ``positions[b, 0] = n_b + i`` at step
-   ``i`` (the slot of the token being fed), cache ``upd["cache"]``; the next-token logits are
-   ``logits[:, 0]``. Rows advance independently; a finished row may keep being fed anything.
+1. ``cache = init_cache(model, B, max_len)`` (zeros).
+2. Prefill: right-pad the prompts to one bucket length ``T <= max_len`` and call ``logits, upd =
+   model.apply({"params": p, "cache": cache}, prompts, None, decode=True, mutable=["cache"])``
+   (``positions=None``: ``arange(T)`` for every row). Row ``b`` with ``n_b`` real tokens reads its
+   next-token logits at ``logits[b, n_b - 1]``; its padding in slots ``n_b..T-1`` stays masked
+   until overwritten (step 3 writes slot ``n_b`` first).
+3. Steps: feed ``tokens[B, 1]`` with ``positions[b, 0] = n_b + i`` at step ``i`` and the cache
+   ``upd["cache"]``; the next-token logits are ``logits[:, 0]``. Rows advance independently.
 
-Positions must stay below the cache's ``max_len``: out-of-range writes are dropped by XLA (no
-error is possible inside jit), so the decoder must cap ``n_b + max_new_tokens`` at ``max_len``.
-Without ``decode`` the model is plain causal attention over the given tokens (right padding
-after the real tokens therefore never affects them); ``positions`` only feed RoPE.
+Positions must stay below the cache's ``max_len``: out-of-range writes are dropped (no error is
+possible inside jit), so the decoder caps ``n_b + max_new_tokens`` at ``max_len``. Without
+``decode`` the model is plain causal attention over the given tokens; ``positions`` feed RoPE.
 
 Packed sequences (training)
 ---------------------------
@@ -75,8 +71,10 @@ import numpy as np
 
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
-from needle.model.attention import blocked_attention
-from needle.model.recompute import apply_recomputed, grads_before_input
+from needle.model.attention import blocked_attention, softcapped_attention
+from needle.model.layers import LoraDense, RMSNorm
+from needle.model.recompute import apply_recomputed
+from needle.model.scan import layer_period, resolve_remat, scan_blocks, scan_remat_policy, stack_block_params
 from needle.model.splash import splash_attention, splash_supported
 
 # Short names of the projections as LoraConfig.targets spells them.
@@ -84,56 +82,6 @@ _TARGET_OF = {
     "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
     "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
 }  # fmt: skip
-
-
-class LoraDense(nn.Module):
-    """Bias-free ``y = x·W + scale·((x·A)·B)``; ``rank == 0`` means a plain dense layer.
-
-    B starts at zero so a fresh adapter leaves the layer unchanged; W + A·B is never formed,
-    which keeps the adapter path cheap and gradients flowing only where they should.
-    """
-
-    features: int
-    rank: int = 0
-    scale: float = 1.0
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    use_bias: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        d_in = x.shape[-1]
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (d_in, self.features), self.param_dtype)
-        x = x.astype(self.dtype)
-        y = jnp.dot(x, kernel.astype(self.dtype))
-        if self.rank:
-            a = self.param("lora_a", nn.initializers.normal(d_in**-0.5), (d_in, self.rank), self.param_dtype)
-            b = self.param("lora_b", nn.initializers.zeros_init(), (self.rank, self.features), self.param_dtype)
-            xa, a, b = grads_before_input(x, a, b)
-            y = y + self.scale * jnp.dot(jnp.dot(xa, a.astype(self.dtype)), b.astype(self.dtype))
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
-        return y
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale (``w``, or ``1 + w`` for Gemma), in float32."""
-
-    eps: float
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    offset_one: bool = False
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # Gemma stores w with the identity at 0, so a fresh offset norm starts at zeros.
-        init = nn.initializers.zeros_init() if self.offset_one else nn.initializers.ones_init()
-        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype).astype(jnp.float32)
-        if self.offset_one:
-            scale = 1.0 + scale
-        x = x.astype(jnp.float32)
-        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(self.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, layer_type: str = "full_attention") -> np.ndarray | None:
@@ -272,7 +220,7 @@ class Attention(_Layer):
         if segment_ids is not None:  # packed rows: attend within the row only
             segment_mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, T]
         if cfg.attn_softcap is not None:
-            return _softcapped_attention(q, k, v, mask, causal_window, scale, cfg.attn_softcap, segment_mask)
+            return softcapped_attention(q, k, v, mask, causal_window, scale, cfg.attn_softcap, segment_mask)
         if mask is not None:
             # Decode shapes are tiny and need a per-row mask: the plain XLA path is fine.
             return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
@@ -327,32 +275,6 @@ class Attention(_Layer):
         return ck.value.astype(k.dtype), cv.value.astype(v.dtype), mask
 
 
-def _softcapped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, window: int | None, scale: float | None,
-    softcap: float, segment_mask: jax.Array | None = None,
-) -> jax.Array:  # fmt: skip
-    """Attention with ``softcap * tanh(logits / softcap)`` before the mask (Gemma 2 style), in float32.
-
-    ``jax.nn.dot_product_attention`` has no soft cap, so this spells attention out; used only
-    by configs that set ``attn_softcap``.
-    """
-    groups = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) * scale
-    logits = softcap * jnp.tanh(logits / softcap)
-    if mask is None:
-        t, s = q.shape[1], k.shape[1]
-        rel = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
-        mask = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
-        mask = mask[None, None]
-        if segment_mask is not None:
-            mask = mask & segment_mask
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bshd->bthd", probs, v)
-
-
 class Mlp(_Layer):
     """Gated MLP: ``(act(x·Wgate) * (x·Wup))·Wdown`` with act SiLU (or tanh-GELU for Gemma)."""
 
@@ -396,25 +318,6 @@ class OutputKernel(nn.Module):
     def __call__(self) -> jax.Array:
         shape = (self.d_model, self.vocab_size)
         return self.param("kernel", nn.initializers.lecun_normal(), shape, self.param_dtype)
-
-
-def device_memory_bytes() -> int | None:
-    """The first device's memory (HBM on an accelerator); None where JAX does not say (the CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
-def resolve_remat(policy: str, cfg: ModelConfig, tokens: int) -> str:
-    """``policy``, with "auto" decided for a batch of ``tokens`` tokens: "dots_saveable" (keep every
-    matmul output, recompute the rest) when those outputs of all layers take at most half the
-    device's memory, else "nothing_saveable" (keep each block's input only). Qwen3-0.6B at
-    16 x 1024 would keep 15 GB under dots_saveable, more than a 16 GB TPU v5e can spare."""
-    if policy != "auto":
-        return policy
-    widths = 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model + 3 * cfg.d_ff
-    kept = 2 * widths * tokens * cfg.n_layers  # bf16 matmul outputs
-    limit = device_memory_bytes()
-    return "dots_saveable" if limit is not None and kept <= limit // 2 else "nothing_saveable"
 
 
 def remat_block(policy: str) -> type[Block]:
@@ -536,64 +439,13 @@ class Transformer(nn.Module):
                    for j in range(period)]  # fmt: skip
         blocks = [Block(cfg, lora, s, decode, kinds[j], prefill, parent=None) for j in range(period)]
         if decode:
-            def step(h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
-                group_params, group_cache = xs
-                new_cache = []
-                for j, blk in enumerate(blocks):
-                    h, upd = blk.apply({"params": group_params[j], "cache": group_cache[j]}, h, positions,
-                                       mutable=["cache"])  # fmt: skip
-                    h = h.astype(rdt)
-                    new_cache.append(upd["cache"])
-                return h, new_cache
-
             cache = self.get_variable("cache", "layers")
-            x, new_cache = jax.lax.scan(step, x, (stacked, [cache[str(j)] for j in range(period)]))
-            self.put_variable("cache", "layers", {str(j): c for j, c in enumerate(new_cache)})
+            x, new_cache = scan_blocks(blocks, stacked, x, positions, None, rdt, None, cache)
+            self.put_variable("cache", "layers", new_cache)
             return x
-
-        def body(h: jax.Array, group_params: Any) -> tuple[jax.Array, None]:
-            for j, blk in enumerate(blocks):
-                h = blk.apply({"params": group_params[j]}, h, positions, segment_ids).astype(rdt)
-            return h, None
-
         policy = scan_remat_policy(resolve_remat(s.remat_policy, cfg, x.shape[0] * x.shape[1]))
-        if policy is not None:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
+        x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, rdt, policy)
         return x
-
-
-def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
-    """Smallest ``p`` dividing ``len(kinds)`` with ``kinds[i] == kinds[i % p]`` (Gemma 3: 6, Llama: 1)."""
-    n = len(kinds)
-    for p in range(1, n + 1):
-        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
-            return p
-    return n
-
-
-def stack_block_params(blocks: list[Any], dtype: Any) -> Any:
-    """Per-block parameter trees stacked leaf by leaf on a new axis 0; matrices cast to ``dtype``.
-
-    Only matrices are cast: every projection casts its kernel (and LoRA factors) to the compute
-    dtype before use, while norm scales and biases are read in their own dtype."""
-    def stack(*leaves: jax.Array) -> jax.Array:
-        out = jnp.stack(leaves)
-        return out.astype(dtype) if out.ndim >= 3 else out
-
-    return jax.tree.map(stack, *blocks)
-
-
-def scan_remat_policy(policy: str) -> Any:
-    """The ``jax.checkpoint`` policy of the scanned body for a REMAT_POLICIES name (None: no remat).
-
-    Inside a scan the body is a loop iteration, so XLA cannot merge recomputation back into the
-    forward pass: "recompute" (the unrolled CPU path's custom VJP) is plain nothing_saveable here."""
-    if policy in ("none", "everything_saveable"):
-        return None
-    if policy in ("everything", "nothing_saveable", "recompute"):
-        return jax.checkpoint_policies.nothing_saveable
-    return getattr(jax.checkpoint_policies, policy)
 
 
 def init_cache(model: Transformer, batch_size: int, max_len: int) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import pytest
 
 from needle.hardware import settings_for
 from needle.model.attention import blocked_attention
-from needle.model.transformer import Transformer, _softcapped_attention
+from needle.model.attention import softcapped_attention
+from needle.model.transformer import Transformer
 
 
 def _qkv(b=2, t=23, h=4, kv=2, hd=8, seed=0):
@@ -37,7 +38,7 @@ def test_blocked_equals_dense(window, softcap, packed):
     seg = _segments(2, 23) if packed else None
     seg_mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
     # The dense reference: the spelled-out softmax of transformer.py (it handles every option).
-    ref = _softcapped_attention(q, k, v, None, window, 0.3, softcap if softcap else 1e9, seg_mask)
+    ref = softcapped_attention(q, k, v, None, window, 0.3, softcap if softcap else 1e9, seg_mask)
     for block in (4, 8, 64):
         out = blocked_attention(q, k, v, scale=0.3, window=window, softcap=softcap if softcap else 1e9,
                                 segment_ids=seg, block=block)  # fmt: skip
@@ -54,7 +55,7 @@ def test_blocked_gradient_equals_dense():
     q, k, v = _qkv(t=17)
     seg = _segments(2, 17)
     seg_mask = seg[:, None, :, None] == seg[:, None, None, :]
-    dense = lambda q, k, v: jnp.sum(jnp.sin(_softcapped_attention(q, k, v, None, 6, None, 30.0, seg_mask)))  # noqa: E731
+    dense = lambda q, k, v: jnp.sum(jnp.sin(softcapped_attention(q, k, v, None, 6, None, 30.0, seg_mask)))  # noqa: E731
     blocked = lambda q, k, v: jnp.sum(jnp.sin(blocked_attention(q, k, v, window=6, softcap=30.0, segment_ids=seg, block=5)))  # noqa: E731
     for a, b in zip(jax.grad(dense, (0, 1, 2))(q, k, v), jax.grad(blocked, (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)

@@ -112,7 +112,7 @@ def test_grads_before_input_is_an_exact_identity_with_the_same_gradients():
     import jax
     import jax.numpy as jnp
 
-    from needle.model.transformer import grads_before_input
+    from needle.model.recompute import grads_before_input
 
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(k1, (6, 8))

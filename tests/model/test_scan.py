@@ -17,7 +17,8 @@ import pytest
 from needle.config import LoraConfig
 from needle.hardware import settings_for
 from needle.model.lora import combine, init_params, split_trainable
-from needle.model.transformer import Transformer, init_cache, layer_period
+from needle.model.scan import layer_period
+from needle.model.transformer import Transformer, init_cache
 
 CPU = dataclasses.replace(settings_for("cpu"), remat_policy="none")
 SCAN = dataclasses.replace(CPU, scan_layers=True)
@@ -32,7 +33,7 @@ def _gemma(cfg):
 
 
 def test_auto_remat_keeps_matmul_outputs_only_where_they_fit(cfg, monkeypatch):
-    from needle.model import transformer
+    from needle.model import scan as transformer
 
     monkeypatch.setattr(transformer, "device_memory_bytes", lambda: 16 * 2**30)
     assert transformer.resolve_remat("auto", cfg, 16 * 1024) == "dots_saveable"  # tiny model: a few MB

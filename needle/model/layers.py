@@ -1,0 +1,69 @@
+"""The dense and norm layers of needle's transformer (needle/model/transformer.py).
+
+``LoraDense`` is a bias-free (optionally biased) projection with an optional LoRA adapter, the
+adapter path ``(x·A)·B`` kept apart from ``x·W``; ``RMSNorm`` normalises in float32 with a learned
+scale, ``w`` or Gemma's ``1 + w``.
+
+    y = LoraDense(features=64, rank=8, scale=2.0, name="q_proj")(x)
+    h = RMSNorm(eps=1e-6, name="attn_norm")(x)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from needle.model.recompute import grads_before_input
+
+
+class LoraDense(nn.Module):
+    """Bias-free ``y = x·W + scale·((x·A)·B)``; ``rank == 0`` means a plain dense layer.
+
+    B starts at zero so a fresh adapter leaves the layer unchanged; W + A·B is never formed,
+    which keeps the adapter path cheap and gradients flowing only where they should.
+    """
+
+    features: int
+    rank: int = 0
+    scale: float = 1.0
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d_in = x.shape[-1]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (d_in, self.features), self.param_dtype)
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, kernel.astype(self.dtype))
+        if self.rank:
+            a = self.param("lora_a", nn.initializers.normal(d_in**-0.5), (d_in, self.rank), self.param_dtype)
+            b = self.param("lora_b", nn.initializers.zeros_init(), (self.rank, self.features), self.param_dtype)
+            xa, a, b = grads_before_input(x, a, b)
+            y = y + self.scale * jnp.dot(jnp.dot(xa, a.astype(self.dtype)), b.astype(self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (``w``, or ``1 + w`` for Gemma), in float32."""
+
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    offset_one: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Gemma stores w with the identity at 0, so a fresh offset norm starts at zeros.
+        init = nn.initializers.zeros_init() if self.offset_one else nn.initializers.ones_init()
+        scale = self.param("scale", init, (x.shape[-1],), self.param_dtype).astype(jnp.float32)
+        if self.offset_one:
+            scale = 1.0 + scale
+        x = x.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype)

@@ -1,0 +1,115 @@
+"""The transformer's blocks as one ``lax.scan``: one compiled block instead of one per layer.
+
+XLA compiles an unrolled stack of N blocks as N copies (a 30-layer 135M Llama compiled for over
+two minutes on a TPU v5e); scanned, it compiles one body. Layers differ only by their attention
+kind (Gemma 3: five sliding-window layers to one global), so the scan runs over the repeating
+*period* of the layer pattern: a body of ``period`` blocks (each with its own static kind), run
+``L / period`` times over parameters stacked per position in the period.
+
+The parameters stay in the unrolled ``block_i`` layout that checkpoints, adapters and every export
+read; :func:`stack_block_params` stacks them inside the step (matrices in the compute dtype, the
+cast each projection makes anyway). The KV cache of a scanned model is stacked the same way.
+
+    period = layer_period(cfg.resolved_layer_types())
+    stacked = [stack_block_params([params[f"block_{g * period + j}"] for g in range(L // period)], dt)
+               for j in range(period)]
+    x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, jnp.float32, policy)
+
+Used by needle/model/transformer.py (``BackendSettings.scan_layers``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from needle.config import ModelConfig
+
+
+def device_memory_bytes() -> int | None:
+    """The first device's memory (HBM on an accelerator); None where JAX does not say (the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def resolve_remat(policy: str, cfg: ModelConfig, tokens: int) -> str:
+    """``policy``, with "auto" decided for a batch of ``tokens`` tokens: "dots_saveable" (keep every
+    matmul output, recompute the rest) when those outputs of all layers take at most half the
+    device's memory, else "nothing_saveable" (keep each block's input only). Qwen3-0.6B at
+    16 x 1024 would keep 15 GB under dots_saveable, more than a 16 GB TPU v5e can spare."""
+    if policy != "auto":
+        return policy
+    widths = 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model + 3 * cfg.d_ff
+    kept = 2 * widths * tokens * cfg.n_layers  # bf16 matmul outputs
+    limit = device_memory_bytes()
+    return "dots_saveable" if limit is not None and kept <= limit // 2 else "nothing_saveable"
+
+
+def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
+    """Smallest ``p`` dividing ``len(kinds)`` with ``kinds[i] == kinds[i % p]`` (Gemma 3: 6, Llama: 1)."""
+    n = len(kinds)
+    for p in range(1, n + 1):
+        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
+            return p
+    return n
+
+
+def stack_block_params(blocks: list[Any], dtype: Any) -> Any:
+    """Per-block parameter trees stacked leaf by leaf on a new axis 0; matrices cast to ``dtype``.
+
+    Only matrices are cast: every projection casts its kernel (and LoRA factors) to the compute
+    dtype before use, while norm scales and biases are read in their own dtype."""
+    def stack(*leaves: jax.Array) -> jax.Array:
+        out = jnp.stack(leaves)
+        return out.astype(dtype) if out.ndim >= 3 else out
+
+    return jax.tree.map(stack, *blocks)
+
+
+def scan_remat_policy(policy: str) -> Any:
+    """The ``jax.checkpoint`` policy of the scanned body for a REMAT_POLICIES name (None: no remat).
+
+    Inside a scan the body is a loop iteration, so XLA cannot merge recomputation back into the
+    forward pass: "recompute" (the unrolled CPU path's custom VJP) is plain nothing_saveable here."""
+    if policy in ("none", "everything_saveable"):
+        return None
+    if policy in ("everything", "nothing_saveable", "recompute"):
+        return jax.checkpoint_policies.nothing_saveable
+    return getattr(jax.checkpoint_policies, policy)
+
+
+def scan_blocks(
+    blocks: list[nn.Module], stacked: list[Any], x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+    residual_dtype: Any, policy: Any, cache: dict[str, Any] | None = None,
+) -> tuple[jax.Array, dict[str, Any] | None]:  # fmt: skip
+    """Run the unbound ``blocks`` (one period) over ``stacked`` parameters, the residual stream
+    ``x`` as the carry in ``residual_dtype``; ``policy`` (a ``jax.checkpoint`` policy, or None)
+    rematerialises the body. With ``cache`` (``{"<j>": stacked cache of block j}``) the blocks
+    decode and the updated cache is returned as well."""
+    x = x.astype(residual_dtype)
+    if cache is not None:
+        def step(h: jax.Array, xs: Any) -> tuple[jax.Array, list[Any]]:
+            group_params, group_cache = xs
+            new_cache = []
+            for j, blk in enumerate(blocks):
+                variables = {"params": group_params[j], "cache": group_cache[j]}
+                h, upd = blk.apply(variables, h, positions, mutable=["cache"])
+                h = h.astype(residual_dtype)
+                new_cache.append(upd["cache"])
+            return h, new_cache
+
+        x, new = jax.lax.scan(step, x, (stacked, [cache[str(j)] for j in range(len(blocks))]))
+        return x, {str(j): c for j, c in enumerate(new)}
+
+    def body(h: jax.Array, group_params: Any) -> tuple[jax.Array, None]:
+        for j, blk in enumerate(blocks):
+            h = blk.apply({"params": group_params[j]}, h, positions, segment_ids).astype(residual_dtype)
+        return h, None
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, stacked)
+    return x, None
