@@ -93,6 +93,35 @@ def sample_prompts(tok: Any, data: Path, n: int = 4, limit: int = 1500) -> list[
     return [p for p in prompts if len(p) <= limit][:n]
 
 
+SPM_CHAT = "<start_of_turn>user\nbook 2 seats<end_of_turn>\n"
+
+
+def spm_gguf(path: Path, space_prefix: bool) -> tuple[Path, Any]:
+    """A GGUF file holding only a `llama`-type (SentencePiece BPE, byte fallback) tokenizer trained
+    here with sentencepiece, as Gemma 3's files hold one; returns it and the SentencePieceProcessor."""
+    import io
+
+    import sentencepiece as spm
+    from gguf import GGUFWriter
+
+    texts = [f"Call get_weather for city {c} at {h}:30, then book {n} seats" for c in ("Paris", "Cairo", "Lima")
+             for h in range(10, 20) for n in range(3)]  # fmt: skip
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=proto, vocab_size=400, model_type="bpe",
+                                   byte_fallback=True, add_dummy_prefix=space_prefix, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+                                   pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    ids = range(sp.get_piece_size())
+    kinds = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 4 if i in (4, 5) else 1 for i in ids]
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama"), w.add_token_list([sp.id_to_piece(i) for i in ids])
+    w.add_token_scores([sp.get_score(i) for i in ids]), w.add_token_types(kinds)
+    w.add_eos_token_id(1), w.add_unk_token_id(3), w.add_bool("tokenizer.ggml.add_space_prefix", space_prefix)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path, sp
+
+
 def greedy(loaded: Any, prompt: list[int], n: int) -> list[int]:
     """needle's greedy continuation (KV-cached decode) of one prompt, stopping at the stop ids."""
     from needle.eval.decode import generate

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from gguf_helpers import tiny_hf_model
+from gguf_helpers import SPM_CHAT, spm_gguf, tiny_hf_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3_text"]
 TEXT = 'Call get_weather for "Paris" at 12:30, then 4.5 km; ünïcode 🎉 <|im_end|>'
@@ -130,3 +130,19 @@ def test_llama3_rope_scaling_travels_as_rope_freqs(hf_models: dict[str, Path], t
     divisors = read_gguf(path).tensor("rope_freqs.weight")
     assert divisors.shape == (cfg.head_dim // 2,) and divisors[0] == 1.0 and divisors[-1] == 32.0
     assert load_model(path).model_cfg.rope_scaling == cfg.rope_scaling
+
+
+@pytest.mark.parametrize("space_prefix", [False, True])
+def test_sentencepiece_vocabulary_encodes_as_sentencepiece(space_prefix: bool, tmp_path: Path) -> None:
+    """A `llama`-type (SentencePiece) GGUF tokenizer, as Gemma 3's files hold, gives sentencepiece's ids."""
+    from needle.model.gguf.reader import read_gguf
+    from needle.model.gguf.tokenizer import gguf_tokenizer
+
+    path, sp = spm_gguf(tmp_path / "spm.gguf", space_prefix)
+    tok = gguf_tokenizer(read_gguf(path))
+    samples = ["Call get_weather for city Paris at 12:30", "  two  spaces\tand a tab; ünïcode 🎉 bytes"]
+    if not space_prefix:  # with a prefix, llama.cpp (and HF's legacy mode) prepend it after every special token too
+        samples.append(SPM_CHAT)
+    for text in samples:
+        assert tok.encode(text) == sp.encode(text), text
+        assert tok.decode(tok.encode(text)) == text

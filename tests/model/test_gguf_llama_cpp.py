@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gguf_helpers import greedy, logits, sample_prompts, smollm2_or_skip, tiny_hf_model, tuned_llama
+from gguf_helpers import SPM_CHAT, greedy, logits, sample_prompts, smollm2_or_skip, spm_gguf, tiny_hf_model, tuned_llama
 
 pytestmark = pytest.mark.gguf
 llama_cpp = pytest.importorskip("llama_cpp", reason="the gguf tier needs llama-cpp-python: pip install -e '.[gguf]'")
@@ -127,6 +127,19 @@ def test_lora_adapter_on_the_base_gives_the_merged_models_tokens(tuned: dict[str
     np.testing.assert_allclose(adapted, logits(m, ids), atol=1e-3)
     assert np.abs(_llama_logits(base_only, ids) - adapted).max() > 1e-3  # the adapter is not a no-op
     assert _llama_greedy(with_adapter, ids, 24, m.tokenizer.stop_ids) == greedy(m, ids, 24)
+
+
+@pytest.mark.parametrize("space_prefix", [False, True])
+def test_sentencepiece_vocabulary_ids_are_llama_cpps(space_prefix: bool, tmp_path: Path) -> None:
+    """Gemma 3's tokenizer type, with and without llama.cpp's space prefix (after special tokens too)."""
+    from needle.model.gguf.reader import read_gguf
+    from needle.model.gguf.tokenizer import gguf_tokenizer
+
+    path, _ = spm_gguf(tmp_path / "spm.gguf", space_prefix)
+    tok = gguf_tokenizer(read_gguf(path))
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in ["Call get_weather for city Paris at 12:30", "  two  spaces\tand a tab; ünïcode 🎉 bytes", SPM_CHAT]:
+        assert tok.encode(text) == llm.tokenize(text.encode(), add_bos=False, special=True), text
 
 
 @pytest.fixture(scope="module")

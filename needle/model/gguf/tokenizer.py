@@ -43,11 +43,21 @@ PRE_TOKENIZERS: dict[str, tuple[dict[str, Any], bool]] = {
 }
 # Other names llama.cpp gives the same split rules (llama-vocab.cpp).
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "starcoder": "smollm", "deepseek-r1-qwen": "qwen2"}
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 # Tokens llama.cpp ends generation at besides eos, found by their text (llama-vocab.cpp): needle
 # stops at the same ones, so a GGUF model ends its turns where llama.cpp ends them.
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<|end_of_text|>",
              "<EOT>")  # fmt: skip
+
+
+def added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    """``tokenizer.json``'s added tokens: control (and unknown) tokens special, user-defined ones not;
+    both matched whole in text, never split."""
+    return [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": kind != USER_DEFINED}
+        for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (UNKNOWN, CONTROL, USER_DEFINED)
+    ]  # fmt: skip
 
 
 def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre: str, where: str) -> str:
@@ -57,11 +67,7 @@ def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre:
                     "so ids of some texts may differ from the model's own tokenizer", where, pre, ", ".join(PRE_TOKENIZERS))  # fmt: skip
         name = "gpt-2"
     pre_tokenizer, ignore_merges = PRE_TOKENIZERS[name]
-    added = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": kind == CONTROL}
-        for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)
-    ]  # fmt: skip
+    added = added_tokens(tokens, types)
     model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
              "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
              "vocab": {t: i for i, t in enumerate(tokens)}, "merges": [m.split(" ", 1) for m in merges]}  # fmt: skip
@@ -80,14 +86,22 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
 
     m = f.metadata
     kind = m.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         what = "no tokenizer" if kind is None else f"tokenizer.ggml.model {kind!r}"
-        raise f.fail(f"{what}; needle reads GGUF tokenizers of type 'gpt2' (byte-level BPE)")
+        raise f.fail(f"{what}; needle reads GGUF tokenizers of type 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)")
     tokens = m.get("tokenizer.ggml.tokens") or []
     types = m.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not tokens or len(types) != len(tokens):
         raise f.fail(f"tokenizer.ggml.tokens/token_type are missing or of different lengths ({len(tokens)}, {len(types)})")
-    text = _tokenizer_json(tokens, m.get("tokenizer.ggml.merges") or [], types, m.get("tokenizer.ggml.pre", "default"), str(f.path))
+    if kind == "llama":
+        from needle.model.gguf.spm import spm_tokenizer_json
+
+        scores = m.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk = m.get("tokenizer.ggml.unknown_token_id")
+        text = spm_tokenizer_json(tokens, scores, types, bool(m.get("tokenizer.ggml.add_space_prefix", True)), unk)
+    else:
+        text = _tokenizer_json(tokens, m.get("tokenizer.ggml.merges") or [], types, m.get("tokenizer.ggml.pre", "default"),
+                               str(f.path))  # fmt: skip
     names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
              "unk_token": "unknown_token_id"}  # fmt: skip
     config: dict[str, Any] = {a: tokens[int(m[f"tokenizer.ggml.{k}"])] for a, k in names.items()
