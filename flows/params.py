@@ -37,7 +37,8 @@ class FinetuneParams(BaseModel):
         SAMPLE_NEW, description="rows to fine-tune on: a JSONL file, a folder of them (a landing folder), a glob, "
                                 "or a hub id owner/name[@revision]")
     base_model: str = Field(
-        "auto", description="exported base model directory, or 'auto': train one (mode scratch) on base_data, once"
+        "auto", description="a needle or Hugging Face model directory, hf:owner/name[@revision], a .gguf file, "
+        "or 'auto': train one (mode scratch) on base_data, once"
     )
     base_data: str = Field(SAMPLE_BASE, description="rows for the 'auto' base model")
     base_steps: Optional[int] = Field(None, gt=0, description="optimizer steps of the 'auto' base (None: the scratch default)")
