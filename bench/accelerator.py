@@ -85,7 +85,7 @@ def run_case(case: str, steps: int, peak_flops: float, overrides: dict[str, Any]
     import jax
 
     from bench.flops import count_matmul_params
-    from bench.memory import _peak_device_bytes
+    from bench.memory import _peak_device_bytes, timed_steps
     from needle.config import LoraConfig, OptimConfig
     from needle.hardware import settings_for
     from needle.model import lora as lora_lib
@@ -121,12 +121,7 @@ def run_case(case: str, steps: int, peak_flops: float, overrides: dict[str, Any]
         state, metrics = compiled(state, batch)
         rec["loss_first"] = float(metrics["loss"])
         rec["first_run_s"] = time.perf_counter() - t0
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics["loss"])
-            times.append(time.perf_counter() - t0)
+        state, metrics, times = timed_steps(compiled, state, batch, steps)
         step_s = sorted(times)[len(times) // 2]
         tokens = rows * seq
         flops = model_flops(cfg, counts, mode, seq) * tokens / step_s

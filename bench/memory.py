@@ -117,12 +117,7 @@ def child_train(shape: str, path: str, steps: int, watch: RssWatch) -> dict[str,
     state, metrics = step(state, batch)
     loss0 = float(metrics["loss"])
     first_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - t0)
+    state, metrics, times = timed_steps(step, state, batch, steps)
     step_s = sorted(times)[len(times) // 2] if times else first_s
     # Model FLOPs per token (bench/flops.py's LoRA formula; attention at n_heads * head_dim wide).
     attn_width = cfg.n_heads * cfg.head_dim
@@ -135,6 +130,19 @@ def child_train(shape: str, path: str, steps: int, watch: RssWatch) -> dict[str,
         "step_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s, "gflops": per_token * tokens / step_s / 1e9,
         "loss_first": loss0, "loss_last": float(metrics["loss"]), "peak_device_gb": _gb(_peak_device_bytes()),
     }  # fmt: skip
+
+
+def timed_steps(step: Any, state: Any, batch: Any, n: int) -> tuple[Any, Any, list[float]]:
+    """``n`` calls of ``step(state, batch)``, each timed to its loss being ready: (state, metrics, seconds)."""
+    import jax
+
+    times, metrics = [], None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    return state, metrics, times
 
 
 def _gb(x: float | None) -> float | None:

@@ -46,6 +46,16 @@ def _block(
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
 
 
+def check_self_attention(q: jax.Array, k: jax.Array, path: str) -> int:
+    """The number of key/value heads of grouped-query self-attention, after checking the shapes."""
+    h, kv = q.shape[2], k.shape[2]
+    if h % kv:
+        raise ValueError(f"{h} query heads are not a multiple of {kv} key/value heads")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"{path} attention is self-attention: {q.shape[1]} queries, {k.shape[1]} keys")
+    return kv
+
+
 def blocked_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None, window: int | None = None,
     softcap: float | None = None, segment_ids: jax.Array | None = None, block: int = 256, checkpoint: bool = True,
@@ -53,11 +63,7 @@ def blocked_attention(
     """Causal grouped-query attention in query blocks of ``block`` (module doc); ``checkpoint=False``
     leaves rematerialisation to the caller (a block-level remat policy already recomputes it)."""
     b, t, h, hd = q.shape
-    kv = k.shape[2]
-    if h % kv:
-        raise ValueError(f"{h} query heads are not a multiple of {kv} key/value heads")
-    if k.shape[1] != t:
-        raise ValueError(f"blocked attention is self-attention: {t} queries, {k.shape[1]} keys")
+    kv = check_self_attention(q, k, "blocked")
     scale = hd**-0.5 if scale is None else float(scale)
     qg = q.reshape(b, t, kv, h // kv, hd)
     fn = jax.checkpoint(_block, static_argnums=(3, 4, 5, 6, 7)) if checkpoint else _block

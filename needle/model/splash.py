@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
+from needle.model.attention import check_self_attention
+
 _LANES = 128  # the kernel's tile width: T and every block size must be a multiple of it
 
 
@@ -96,11 +98,7 @@ def splash_attention(
     """Causal grouped-query attention with the splash kernel (module doc); ``segment_ids`` [B, T]
     lets a token attend only to tokens of its own segment (padding's 0 attends to padding)."""
     b, t, h, hd = q.shape
-    kv = k.shape[2]
-    if h % kv:
-        raise ValueError(f"{h} query heads are not a multiple of {kv} key/value heads")
-    if k.shape[1] != t:
-        raise ValueError(f"splash attention is self-attention: {t} queries, {k.shape[1]} keys")
+    check_self_attention(q, k, "splash")
     if not splash_supported(t, hd):
         raise ValueError(f"splash attention needs T a multiple of {_LANES} and a head_dim multiple of 8: {t=}, {hd=}")
     if window is not None and window < 1:
