@@ -176,8 +176,14 @@ def test_smollm2_f16_export_greedy_equals_needles(smollm2: tuple[Path, Any], tmp
     """A real model's logits are decisive: every greedy token equal, on chat and tool-calling prompts."""
     from needle.model.gguf.writer import write_gguf
 
+    from needle.data.chat import compile_template
+
     _, m = smollm2
     llm = _llama(write_gguf(tmp_path / "smollm2-f16.gguf", m.params, m.model_cfg, m.tokenizer, "f16"))
-    chat = m.tokenizer.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = m.tokenizer.encode(compile_template(m.tokenizer.chat_template).render(messages=messages, add_generation_prompt=True))
     for ids in [chat, *sample_prompts(m.tokenizer, sample_data["new"], 1)]:
         assert _llama_greedy(llm, ids, 16, m.tokenizer.stop_ids) == greedy(m, ids, 16)
+    # llama.cpp's own chat path: the file's chat template, its stop tokens, needle's answer.
+    reply = llm.create_chat_completion(messages=messages, temperature=0.0, max_tokens=16)["choices"][0]
+    assert reply["message"]["content"] == m.tokenizer.decode(greedy(m, chat, 16)) and reply["finish_reason"] == "stop"
