@@ -191,7 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         os.environ[PREFIX_CACHE_ENV] = str(args.prefix_cache_mb)  # read where the pyfunc builds its Predictor
     model = args.model
     if is_gguf_file(model):  # a llama.cpp file: served as the needle model directory it imports to
-        from needle.model.gguf.importer import gguf_model_dir
+        from needle.model.io import gguf_model_dir
 
         model = str(gguf_model_dir(model, prepared_cache_dir().parent / "gguf"))
     serve(model, host=args.host, port=args.port)

@@ -206,3 +206,21 @@ def import_hf_model(spec: str | Path, *, max_len: int | None = None) -> LoadedMo
     params = load_hf_params(src.path, cfg)
     base = {**src.as_meta(), "arch": cfg.arch, "n_params": checkpoint_n_params(cfg)}
     return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
+
+
+def gguf_model_dir(path: str | Path, cache_root: str | Path) -> Path:
+    """``path`` imported once and saved as a needle model directory under ``cache_root``, keyed by the
+    file's content (what ``needle serve FILE.gguf`` wraps; a second start reuses it)."""
+    import hashlib
+
+    from needle.model.gguf.importer import import_gguf_model  # the optional GGUF reader, as load_model does
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    target = Path(cache_root) / digest.hexdigest()[:16]
+    if not (target / "config.json").is_file():  # save_model renames a complete directory into place
+        loaded = import_gguf_model(path)
+        save_model(target, loaded.params, loaded.model_cfg, loaded.tokenizer, loaded.meta)
+    return target

@@ -106,7 +106,7 @@ def test_training_on_a_gguf_base_exports_gguf_again(exported: Path, tmp_path: Pa
 
 def test_serve_wraps_a_gguf_file_once(exported: Path, tmp_path: Path) -> None:
     """What `needle serve FILE.gguf` serves: the import saved once per file content, then reused."""
-    from needle.model.gguf.importer import gguf_model_dir
+    from needle.model.io import gguf_model_dir
     from needle.model.io import load_model
 
     first = gguf_model_dir(exported / "model.gguf", tmp_path)

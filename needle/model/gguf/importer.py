@@ -54,21 +54,3 @@ def import_gguf_model(path: str | Path, *, max_len: int | None = None) -> Loaded
         "n_params": checkpoint_n_params(cfg),
     }  # fmt: skip
     return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
-
-
-def gguf_model_dir(path: str | Path, cache_root: str | Path) -> Path:
-    """``path`` imported once and saved as a needle model directory under ``cache_root``, keyed by the
-    file's content (what ``needle serve FILE.gguf`` wraps; a second start reuses it)."""
-    import hashlib
-
-    from needle.model.io import save_model
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    target = Path(cache_root) / digest.hexdigest()[:16]
-    if not (target / "config.json").is_file():  # save_model renames a complete directory into place
-        loaded = import_gguf_model(path)
-        save_model(target, loaded.params, loaded.model_cfg, loaded.tokenizer, loaded.meta)
-    return target

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-NORMAL = 1
+# llama.cpp token types (tokenizer.ggml.token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 _SPACE = "\u2581"  # ▁, SentencePiece's space
 
 
@@ -34,11 +35,19 @@ def _merges(tokens: list[str], scores: list[float], types: list[int]) -> list[li
     return [[left, right] for _, _, _, left, right in found]
 
 
+def added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    """``tokenizer.json``'s added tokens: control (and unknown) tokens special, user-defined ones not;
+    both matched whole in text, never split."""
+    return [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": kind != USER_DEFINED}
+        for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (UNKNOWN, CONTROL, USER_DEFINED)
+    ]  # fmt: skip
+
+
 def spm_tokenizer_json(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool,
                        unk: int | None) -> str:  # fmt: skip
     """The ``tokenizer.json`` text of a SentencePiece BPE vocabulary (module doc)."""
-    from needle.model.gguf.tokenizer import added_tokens
-
     normalizers: list[dict[str, Any]] = [{"type": "Prepend", "prepend": _SPACE}] if add_space_prefix else []
     normalizers.append({"type": "Replace", "pattern": {"String": " "}, "content": _SPACE})
     decoders: list[dict[str, Any]] = [{"type": "Replace", "pattern": {"String": _SPACE}, "content": " "},

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from needle.model.gguf.reader import GGUFFile
+from needle.model.gguf.spm import CONTROL, USER_DEFINED, added_tokens, spm_tokenizer_json
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +44,10 @@ PRE_TOKENIZERS: dict[str, tuple[dict[str, Any], bool]] = {
 }
 # Other names llama.cpp gives the same split rules (llama-vocab.cpp).
 PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "starcoder": "smollm", "deepseek-r1-qwen": "qwen2"}
-UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 # Tokens llama.cpp ends generation at besides eos, found by their text (llama-vocab.cpp): needle
 # stops at the same ones, so a GGUF model ends its turns where llama.cpp ends them.
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<|end_of_text|>",
              "<EOT>")  # fmt: skip
-
-
-def added_tokens(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
-    """``tokenizer.json``'s added tokens: control (and unknown) tokens special, user-defined ones not;
-    both matched whole in text, never split."""
-    return [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": kind != USER_DEFINED}
-        for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (UNKNOWN, CONTROL, USER_DEFINED)
-    ]  # fmt: skip
 
 
 def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre: str, where: str) -> str:
@@ -94,7 +84,6 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
     if not tokens or len(types) != len(tokens):
         raise f.fail(f"tokenizer.ggml.tokens/token_type are missing or of different lengths ({len(tokens)}, {len(types)})")
     if kind == "llama":
-        from needle.model.gguf.spm import spm_tokenizer_json
 
         scores = m.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
         unk = m.get("tokenizer.ggml.unknown_token_id")
