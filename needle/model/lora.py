@@ -22,6 +22,7 @@ from needle.config import LoraConfig, ModelConfig
 from needle.errors import CheckpointMismatchError
 from needle.hardware import BackendSettings
 from needle.model.factory import module_for
+from needle.model.scan import cast_matrices
 
 Params = dict[str, Any]
 LORA_LEAVES = frozenset({"lora_a", "lora_b"})
@@ -95,8 +96,7 @@ def in_compute_dtype(params: Params, settings: BackendSettings | None) -> Params
     compute and master dtypes agree (the CPU) the tree is returned as it is."""
     if settings is None or jnp.dtype(settings.compute_dtype) == jnp.dtype(settings.param_dtype):
         return params
-    dtype = jnp.dtype(settings.compute_dtype)
-    return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, params)
+    return cast_matrices(params, jnp.dtype(settings.compute_dtype))
 
 
 def combine(trainable: Params, frozen: Params) -> Params:

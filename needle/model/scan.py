@@ -57,16 +57,17 @@ def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
     return n
 
 
+def cast_matrices(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its matrices (ndim >= 2) in ``dtype``; vectors (norm scales, biases) as stored.
+
+    Every projection casts its kernel (and LoRA factors) to the compute dtype before use, while
+    norm scales and biases are read in their own dtype: casting the matrices early changes no value."""
+    return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, tree)
+
+
 def stack_block_params(blocks: list[Any], dtype: Any) -> Any:
-    """Per-block parameter trees stacked leaf by leaf on a new axis 0; matrices cast to ``dtype``.
-
-    Only matrices are cast: every projection casts its kernel (and LoRA factors) to the compute
-    dtype before use, while norm scales and biases are read in their own dtype."""
-    def stack(*leaves: jax.Array) -> jax.Array:
-        out = jnp.stack(leaves)
-        return out.astype(dtype) if out.ndim >= 3 else out
-
-    return jax.tree.map(stack, *blocks)
+    """Per-block parameter trees stacked leaf by leaf on a new axis 0, matrices in ``dtype``."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *[cast_matrices(b, dtype) for b in blocks])
 
 
 def scan_remat_policy(policy: str) -> Any:
