@@ -16,6 +16,7 @@ needle/hardware.py) one process, in order:
 new tokens; free, and the constrained path's device work with an all-allowed mask).
 
     python -m bench.accelerator [--cases 135m-lora-16x1024,...] [--steps 5] [--decode] [--out FILE]
+                                [--set FIELD=VALUE] [--profile DIR]
 
 A case that runs out of memory is recorded with its error and the run goes on. Prints a table and
 writes JSON (default bench/results/accelerator-<backend>.json).
@@ -78,10 +79,13 @@ def _gb(x: float | None) -> float | None:
     return None if x is None else round(x / 2**30, 3)
 
 
-def run_case(case: str, steps: int, peak_flops: float, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_case(
+    case: str, steps: int, peak_flops: float, overrides: dict[str, Any] | None = None, trace_dir: str | None = None
+) -> dict[str, Any]:  # fmt: skip
     """Compile and time one case; an out-of-memory error is the record's ``error``.
 
-    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat_policy=...``)."""
+    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat_policy=...``);
+    ``trace_dir``: two more steps under ``jax.profiler.trace`` (a Perfetto trace, bench/trace.py reads it)."""
     import jax
 
     from bench.flops import count_matmul_params
@@ -127,6 +131,9 @@ def run_case(case: str, steps: int, peak_flops: float, overrides: dict[str, Any]
         flops = model_flops(cfg, counts, mode, seq) * tokens / step_s
         rec.update(step_s=step_s, tokens_per_s=tokens / step_s, tflops=flops / 1e12, mfu=flops / peak_flops,
                    loss_last=float(metrics["loss"]), params_m=(counts["n_mat"] + cfg.vocab_size * cfg.d_model) / 1e6)  # fmt: skip
+        if trace_dir:
+            with jax.profiler.trace(f"{trace_dir}/{case}", create_perfetto_trace=True):
+                state, metrics, _ = timed_steps(compiled, state, batch, 2)
     except Exception as exc:  # noqa: BLE001 - an out-of-memory case is a result, not a crash
         rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
     rec["peak_gb"] = _gb(_peak_device_bytes())
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a BackendSettings field over the backend default, e.g. remat_policy=nothing_saveable")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also trace two steps of each case (and a decoding pass) into DIR; summarise with bench.trace")
     args = ap.parse_args(argv)
     from needle.hardware import prepare_platform_env
 
@@ -182,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode:  # first: the training cases grow, and the last may run out of memory or time
         from bench.memory import child_decode
 
-        result["decode"] = child_decode("smollm2-135m", "new", 8)
+        result["decode"] = child_decode("smollm2-135m", "new", 8, args.profile)
         print(json.dumps(result["decode"]), flush=True)
         out.write_text(json.dumps(result, indent=2))
     for case in [c for c in args.cases.split(",") if c]:
-        rec = run_case(case, args.steps, peak["gflops"] * 1e9, overrides)
+        rec = run_case(case, args.steps, peak["gflops"] * 1e9, overrides, args.profile)
         result["cases"].append(rec)
         print(json.dumps(rec), flush=True)
         out.write_text(json.dumps(result, indent=2))

@@ -149,7 +149,9 @@ def _gb(x: float | None) -> float | None:
     return None if x is None else x / 2**30
 
 
-def child_decode(shape: str, path: str, rows: int) -> dict[str, Any]:
+def child_decode(shape: str, path: str, rows: int, trace_dir: str | None = None) -> dict[str, Any]:
+    """Free and constrained decoding of ``rows`` prompts: first pass and warm pass; with
+    ``trace_dir`` a third pass of each runs under ``jax.profiler.trace`` (a Perfetto trace per kind)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -197,6 +199,9 @@ def child_decode(shape: str, path: str, rows: int) -> dict[str, Any]:
         made = res.n_tokens if name == "free" else res * rows
         out[name] = {"first_pass_s": first, "warm_s": warm, "rows_per_s": rows / warm, "tokens": made,
                      "tokens_per_s": made / warm}  # fmt: skip
+        if trace_dir:
+            with jax.profiler.trace(f"{trace_dir}/decode-{name}", create_perfetto_trace=True):
+                fn()
     out["peak_device_gb"] = _gb(_peak_device_bytes())
     return out
 

@@ -73,3 +73,52 @@ def test_quick_run_writes_documented_keys(tmp_path: Path) -> None:
     assert 0 < run["utilisation"] and run["flops_per_token"]["total"] > 0
     assert result["cactus"] == {"status": "skipped", "reason": "--skip-cactus"}
     assert "peak f32 matmul" in done.stdout
+
+
+def _write_trace(path: Path, events: list[dict]) -> None:
+    import gzip
+
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+
+
+def test_trace_summary_sums_device_ops_by_name(tmp_path: Path) -> None:
+    from bench.trace import summarise
+
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 1, "tid": 3, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 9, "tid": 1, "name": "thread_name", "args": {"name": "python"}},
+    ]
+    ops = [
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 3000, "name": "fusion.1", "args": {"long_name": "dot"}},
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 3000, "dur": 1000, "name": "copy.2"},
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 5000, "dur": 3000, "name": "fusion.1"},
+        {"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 8000, "name": "jit_train_step"},
+        {"ph": "X", "pid": 9, "tid": 1, "ts": 0, "dur": 99000, "name": "host work"},  # not device time
+    ]
+    _write_trace(tmp_path / "perfetto_trace.json.gz", meta + ops)
+    s = summarise(tmp_path / "perfetto_trace.json.gz")
+    assert s["device_busy_ms"] == pytest.approx(7.0)
+    assert s["span_ms"] == pytest.approx(8.0)
+    assert s["ops"][0][:3] == ["fusion.1", 2, pytest.approx(6.0)]
+    assert s["ops"][0][4] == "long_name=dot"
+    assert s["modules"] == [["jit_train_step", 1, pytest.approx(8.0)]]
+
+
+def test_trace_summary_reads_a_real_cpu_trace(tmp_path: Path) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from bench.trace import main
+
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((128, 128))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        f(x).block_until_ready()
+    out = tmp_path / "summary.json"
+    assert main([str(tmp_path), "--json", str(out)]) == 0
+    (summary,) = json.loads(out.read_text())
+    assert summary["n_ops"] > 0 and summary["device_busy_ms"] > 0
