@@ -129,6 +129,41 @@ def template_variables(template: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
 
 
+def _jinja_str(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def with_tool_listing(template: str) -> str:
+    """``template`` made to show OpenAI ``tools`` as needle trains a model whose template cannot:
+    in the system message (the caller's, else needle's default), as the JSON lines and instruction
+    of ``TOOLS_INSTRUCTION``. A template that renders ``tools`` comes back unchanged.
+
+    For files other programs prompt (a GGUF export: llama.cpp's and Ollama's OpenAI routes pass
+    the request's ``tools`` to the template): without it the tuned model never sees the tools.
+    Rendered by :class:`JinjaChatFormat` the result gives the original's prompts and targets.
+    """
+    if "tools" in template_variables(template):
+        return template
+    head, tail = TOOLS_INSTRUCTION.format(tools="\0").split("\0")
+    return (
+        "{% if tools is defined and tools is not none %}"
+        "{% set needle_ns = namespace(listing='') %}"
+        "{% for tool in tools %}"
+        "{% set fn = tool['function'] if tool['function'] is defined else tool %}"
+        "{% set needle_ns.listing = needle_ns.listing + ('' if loop.first else '\\n') + (fn | tojson) %}"
+        "{% endfor %}"
+        f"{{% set needle_tools = {_jinja_str(head)} + needle_ns.listing + {_jinja_str(tail)} %}}"
+        "{% if messages and messages[0]['role'] == 'system' %}"
+        f"{{% set messages = [{{'role': 'system', 'content': (messages[0]['content'] or {_jinja_str(DEFAULT_SYSTEM)})"
+        " + '\\n\\n' + needle_tools}] + messages[1:] %}"
+        "{% else %}"
+        f"{{% set messages = [{{'role': 'system', 'content': {_jinja_str(DEFAULT_SYSTEM)} + '\\n\\n' + needle_tools}}]"
+        " + messages %}"
+        "{% endif %}"
+        "{% endif %}"
+    ) + template
+
+
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
     # As transformers does: reasoning also under `thinking` (gpt-oss templates read that).
     reasoning = message.get("reasoning_content")

@@ -168,3 +168,47 @@ def test_transformers_renders_the_same_and_its_save_pretrained_dir_loads(family:
                                                                 add_generation_prompt=True, **kw)  # fmt: skip
         assert tok.encode(want) == hf(want, add_special_tokens=False)["input_ids"]
         assert tok.decode(tok.encode(want)) == hf.decode(hf(want, add_special_tokens=False)["input_ids"])
+
+
+SAMPLE_CONVERSATIONS = Path(__file__).resolve().parents[2] / "data" / "sample" / "conversations.jsonl"
+SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's (its GGUF file's tokenizer.chat_template): no tools, no tool_calls
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>'"
+    " + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "smollm2"])
+def test_tool_listing_template_shows_openai_tools_as_needle_trained(hf_dirs: dict[str, Path], family: str) -> None:
+    """A GGUF export's template (with_tool_listing): a client's OpenAI ``tools`` reach the model as
+    needle trained it, and needle reading the file back renders every row as before."""
+    from needle.data.chat import with_tool_listing
+
+    if family == "smollm2":
+        fmt = JinjaChatFormat(SMOLLM2_TEMPLATE)
+    else:
+        fmt = _format(hf_dirs, family)[1]
+    assert not fmt.renders_tools
+    wrapped = JinjaChatFormat(with_tool_listing(fmt.template), fmt.special_tokens, fmt.template_kwargs)
+    assert wrapped.renders_tools and not wrapped.renders_calls
+    for name in ROWS:
+        row = _row(name)
+        assert wrapped.split(row) == fmt.split(row)
+        # What an OpenAI route hands the template: the request's messages and tools, as sent.
+        messages = [*([{"role": "system", "content": row.system}] if row.system else []),
+                    {"role": "user", "content": row.query}]  # fmt: skip
+        tools = [{"type": "function", "function": t} for t in row.tools]
+        assert wrapped.render(messages, tools, add_generation_prompt=True) == fmt.render_prompt(row)
+    plain = [{"role": "user", "content": "hi"}]  # no tools: the template's own chat
+    assert wrapped.render(plain, None, add_generation_prompt=True) == fmt.render(plain, None, add_generation_prompt=True)
+    conversation = parse_row(json.loads(SAMPLE_CONVERSATIONS.read_text().splitlines()[0]), "c:1")
+    assert wrapped.conversation(conversation) != fmt.conversation(conversation)  # the listing moves into the template
+    tok = load_tokenizer(hf_dirs["gemma3"])
+    assert wrapped.encode_conversation(conversation, tok, 4096).ids == fmt.encode_conversation(conversation, tok, 4096).ids
+
+
+def test_tool_listing_leaves_a_template_that_renders_tools() -> None:
+    from needle.data.chat import with_tool_listing
+
+    assert with_tool_listing(template("qwen3")) == template("qwen3")

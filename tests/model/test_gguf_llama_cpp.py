@@ -187,3 +187,23 @@ def test_smollm2_f16_export_greedy_equals_needles(smollm2: tuple[Path, Any], tmp
     # llama.cpp's own chat path: the file's chat template, its stop tokens, needle's answer.
     reply = llm.create_chat_completion(messages=messages, temperature=0.0, max_tokens=16)["choices"][0]
     assert reply["message"]["content"] == m.tokenizer.decode(greedy(m, chat, 16)) and reply["finish_reason"] == "stop"
+
+
+def test_llama_cpps_chat_handler_shows_openai_tools_as_needle_trained(sample_data: dict[str, Path]) -> None:
+    """The exported template (with_tool_listing) in llama-cpp-python's own Jinja chat handler, as its
+    OpenAI server calls it with a request's messages and tools: needle's training prompt, for a
+    template that shows no tools itself (Gemma 3's, SmolLM2's)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from needle.data.chat import JinjaChatFormat, with_tool_listing
+    from needle.data.load import load_source
+    from needle.model.hf_sample import family_template
+
+    specials = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    ours = JinjaChatFormat(family_template("gemma3"), specials)
+    assert not ours.renders_tools
+    handler = Jinja2ChatFormatter(with_tool_listing(ours.template), **specials)
+    for row in load_source(str(sample_data["new"]), "fail").rows[:20]:
+        request = {"messages": [{"role": "user", "content": row.query}],
+                   "tools": [{"type": "function", "function": t} for t in row.tools]}  # fmt: skip
+        assert handler(**request).prompt == ours.render_prompt(row)

@@ -18,6 +18,7 @@ import json
 import logging
 from typing import Any
 
+from needle.data.chat import with_tool_listing
 from needle.model.gguf.reader import GGUFFile
 from needle.model.gguf.spm import CONTROL, USER_DEFINED, added_tokens, spm_tokenizer_json
 
@@ -140,6 +141,6 @@ def tokenizer_metadata(tok: Any) -> dict[str, Any]:
            "padding_token_id": getattr(tok, "pad_id", None), "eot_token_id": end if end != eos else None}  # fmt: skip
     meta.update({f"tokenizer.ggml.{k}": int(v) for k, v in ids.items() if v is not None})
     meta["tokenizer.ggml.add_bos_token"] = bool(getattr(tok, "add_bos_token", False))
-    if getattr(tok, "chat_template", None):
-        meta["tokenizer.chat_template"] = tok.chat_template
+    if getattr(tok, "chat_template", None):  # llama.cpp's OpenAI route hands it the request's tools
+        meta["tokenizer.chat_template"] = with_tool_listing(tok.chat_template)
     return meta
