@@ -41,3 +41,11 @@ def test_needle_runs_beside_another_distributions_tasks_and_flows(tmp_path: Path
                          timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "finetune" in out.stdout and "serve" in out.stdout
+
+
+def test_the_gguf_extra_brings_llama_cpps_openai_server() -> None:
+    # docs/models.md runs `python -m llama_cpp.server` on an export; without [server] it fails on import.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    assert any(r.startswith("llama-cpp-python[server]==") for r in extras["gguf"])
+    pinned = {line.split("==")[0] for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").split()}
+    assert {"sse-starlette", "starlette-context"} <= pinned  # what [server] adds, pinned as the rest
