@@ -57,12 +57,61 @@ def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
     return n
 
 
+LAYERS = "layers"  # a params tree's key holding the blocks stacked: layers/<j>/... [L / period, ...]
+
+
 def cast_matrices(tree: Any, dtype: Any) -> Any:
-    """``tree`` with its matrices (ndim >= 2) in ``dtype``; vectors (norm scales, biases) as stored.
+    """``tree`` with its matrices in ``dtype``; vectors (norm scales, biases) as stored.
 
     Every projection casts its kernel (and LoRA factors) to the compute dtype before use, while
-    norm scales and biases are read in their own dtype: casting the matrices early changes no value."""
-    return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 else x, tree)
+    norm scales and biases are read in their own dtype: casting the matrices early changes no value.
+    A matrix has two dimensions, three under ``layers`` (stacked blocks)."""
+
+    def cast(path: tuple[Any, ...], x: Any) -> Any:
+        stacked = any(getattr(k, "key", None) == LAYERS for k in path)
+        return x.astype(dtype) if x.ndim >= 2 + stacked else x
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def stack_layers(params: dict[str, Any], period: int) -> dict[str, Any]:
+    """``block_i`` subtrees moved to ``layers/<j>``, stacked on a new axis 0 (block ``g * period + j``
+    at index ``g``); the rest of the tree as it is. A tree without blocks comes back unchanged.
+
+    The train state of a scanned model keeps its blocks this way, so the optimizer, the finite
+    check and the gradient see one leaf per kind of weight rather than one per layer (a 30-layer
+    LoRA: 14 leaves instead of 420), and nothing is stacked inside the step."""
+    blocks = [k for k in params if k.startswith("block_")]
+    if not blocks:
+        return params
+    if len(blocks) % period:
+        raise ValueError(f"{len(blocks)} blocks do not divide into a layer period of {period}")
+    groups = len(blocks) // period
+    out = {k: v for k, v in params.items() if not k.startswith("block_")}
+    out[LAYERS] = {
+        str(j): jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"block_{g * period + j}"] for g in range(groups)])
+        for j in range(period)
+    }  # fmt: skip
+    return out
+
+
+def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`stack_layers`: the ``block_i`` layout that checkpoints and exports read."""
+    if not isinstance(params, dict) or LAYERS not in params:
+        return params
+    out = {k: v for k, v in params.items() if k != LAYERS}
+    period = len(params[LAYERS])
+    for j, sub in params[LAYERS].items():
+        for g in range(jax.tree.leaves(sub)[0].shape[0]):
+            out[f"block_{g * period + int(j)}"] = jax.tree.map(lambda x, g=g: x[g], sub)
+    return out
+
+
+def map_param_trees(fn: Any, tree: Any, params: Any) -> Any:
+    """``fn`` applied to every subtree of ``tree`` shaped like ``params`` (an optimizer state's moments)."""
+    shape = jax.tree.structure(params)
+    is_params = lambda x: jax.tree.structure(x) == shape  # noqa: E731
+    return jax.tree.map(lambda t: fn(t) if is_params(t) else t, tree, is_leaf=is_params)
 
 
 def stack_block_params(blocks: list[Any], dtype: Any) -> Any:

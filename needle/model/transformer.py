@@ -74,7 +74,9 @@ from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
 from needle.model.attention import blocked_attention, softcapped_attention
 from needle.model.layers import LoraDense, RMSNorm
 from needle.model.recompute import apply_recomputed
-from needle.model.scan import layer_period, resolve_remat, scan_blocks, scan_remat_policy, stack_block_params
+from needle.model.scan import (
+    LAYERS, cast_matrices, layer_period, resolve_remat, scan_blocks, scan_remat_policy, stack_block_params,
+)
 from needle.model.splash import splash_attention, splash_supported
 
 # Short names of the projections as LoraConfig.targets spells them.
@@ -435,8 +437,12 @@ class Transformer(nn.Module):
                 self.variable("cache", "layers", lambda: zeros)
             return x
         params = self.variables["params"]
-        stacked = [stack_block_params([params[f"block_{g * period + j}"] for g in range(groups)], dt)
-                   for j in range(period)]  # fmt: skip
+        if LAYERS in params:  # kept stacked (a scanned train state: needle/model/scan.py stack_layers)
+            layers = cast_matrices({LAYERS: params[LAYERS]}, dt)[LAYERS]
+            stacked = [layers[str(j)] for j in range(period)]
+        else:
+            stacked = [stack_block_params([params[f"block_{g * period + j}"] for g in range(groups)], dt)
+                       for j in range(period)]  # fmt: skip
         blocks = [Block(cfg, lora, s, decode, kinds[j], prefill, parent=None) for j in range(period)]
         if decode:
             cache = self.get_variable("cache", "layers")

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 
 from needle.config import flatten_config
 from needle.errors import CheckpointDamagedError, CheckpointMismatchError
+from needle.model.scan import LAYERS, map_param_trees, stack_layers, unstack_layers
 from needle.train.step import TrainState, tree_all_finite
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,20 @@ def _one_line(err: BaseException) -> str:
 
 
 def _saved_tree(state: TrainState) -> dict[str, Any]:
-    return {"step": state.step, "trainable": state.trainable, "opt_state": state.opt_state, "rng": state.rng}
+    """What a checkpoint holds, blocks in the ``block_i`` layout (a scanned state's stacked
+    ``layers`` are unstacked: one format whichever way the layers run)."""
+    trainable, opt_state = unstack_layers(state.trainable), map_param_trees(unstack_layers, state.opt_state, state.trainable)
+    return {"step": state.step, "trainable": trainable, "opt_state": opt_state, "rng": state.rng}
+
+
+def _restacked(saved: dict[str, Any], template: TrainState) -> dict[str, Any]:
+    """``saved`` (block_i layout) with its blocks stacked as ``template``'s are, if they are."""
+    if not isinstance(template.trainable, dict) or LAYERS not in template.trainable:
+        return saved
+    period = len(template.trainable[LAYERS])
+    stack = lambda t: stack_layers(t, period)  # noqa: E731
+    return {**saved, "trainable": stack(saved["trainable"]),
+            "opt_state": map_param_trees(stack, saved["opt_state"], saved["trainable"])}  # fmt: skip
 
 
 class Checkpointer:
@@ -256,6 +270,7 @@ class Checkpointer:
         if not verified:
             log.warning("checkpoint step %d in %s has no %s (an older needle wrote it): restored unverified",
                         step, self.directory, CHECKSUM_FILE)  # fmt: skip
+        saved = _restacked(saved, template)
         state = template.replace(
             step=saved["step"], trainable=saved["trainable"], opt_state=saved["opt_state"], rng=saved["rng"]
         )

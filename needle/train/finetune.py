@@ -36,6 +36,8 @@ from needle.hardware import BackendSettings, enable_compilation_cache, settings_
 from needle.model import lora as lora_lib
 from needle.model.io import TOKENIZER_FILES, LoadedModel, load_model, save_model
 from needle.model.factory import module_for
+from needle.model.scan import layer_period, stack_layers, unstack_layers
+from needle.model.transformer import Transformer
 from needle.tokenizer import Tokenizer
 from needle.tracking import NoopTracker, Tracker
 from needle.train.checkpoint import Checkpointer, build_meta
@@ -180,6 +182,11 @@ def build_state(
     params = initial_params(model_cfg, train_cfg, lora_cfg, base, settings)
     trainable, frozen = lora_lib.split_trainable(params, train_cfg.mode)
     model = module_for(model_cfg, lora_cfg, settings)
+    if isinstance(model, Transformer) and settings.scan_layers:
+        # Scanned layers train on stacked blocks (one optimizer leaf per kind of weight, not per
+        # layer); checkpoints and exports still read block_i (checkpoint.py, export_model).
+        period = layer_period(model_cfg.resolved_layer_types())
+        trainable, frozen = stack_layers(trainable, period), stack_layers(frozen, period)
     return create_state(
         make_apply_fn(model), trainable, frozen, optim_cfg, train_cfg.steps,
         grad_accum=train_cfg.grad_accum, seed=train_cfg.seed,
@@ -340,10 +347,10 @@ def export_model(
 
     ``frozen`` is the base in its master dtype when the state holds a compute-dtype copy."""
     # Every process gathers (a collective); process 0 alone writes.
-    params = fetch(lora_lib.combine(state.trainable, state.frozen if frozen is None else frozen))
+    params = unstack_layers(fetch(lora_lib.combine(state.trainable, state.frozen if frozen is None else frozen)))
     adapter = None
     if lora_cfg is not None:
-        adapter = fetch(state.trainable)  # kept unmerged too, for a PEFT export
+        adapter = unstack_layers(fetch(state.trainable))  # kept unmerged too, for a PEFT export
         params = lora_lib.merge_lora(params, lora_cfg)
     # Host arrays: orbax refuses a single-device jax.Array once several processes are in the program.
     params = jax.tree.map(np.asarray, params)

@@ -1,0 +1,87 @@
+"""A scanned model's train state keeps its blocks stacked (needle/model/scan.py stack_layers):
+the layout converts exactly, checkpoints keep the block_i layout and resume exactly, and the
+export equals the unrolled run's."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from test_finetune import assert_same_params, flat_params
+from train_helpers import LORA, finetune_configs, tiny_prepared, tiny_tokenizer
+
+from needle.hardware import settings_for, with_overrides
+from needle.model.scan import LAYERS, cast_matrices, map_param_trees, stack_layers, unstack_layers
+from needle.train.finetune import build_state, run_training
+
+
+def _blocks(n: int) -> dict:
+    return {
+        "embed": {"embedding": jnp.ones((8, 4))},
+        **{f"block_{i}": {"attn": {"kernel": jnp.full((4, 3), float(i))}, "norm": {"scale": jnp.full((4,), float(i))}}
+           for i in range(n)},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("period", [1, 2])
+def test_stack_and_unstack_are_inverse(period: int) -> None:
+    params = _blocks(6)
+    stacked = stack_layers(params, period)
+    assert set(stacked) == {"embed", LAYERS} and set(stacked[LAYERS]) == {str(j) for j in range(period)}
+    # Block g * period + j sits at index g of layers/<j>.
+    kernel = stacked[LAYERS][str(period - 1)]["attn"]["kernel"]
+    assert kernel.shape == (6 // period, 4, 3)
+    assert [float(kernel[g, 0, 0]) for g in range(6 // period)] == [float(g * period + period - 1) for g in range(6 // period)]
+    back = unstack_layers(stacked)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+    assert stack_layers({"embed": params["embed"]}, period) == {"embed": params["embed"]}  # no blocks: unchanged
+    with pytest.raises(ValueError, match="do not divide"):
+        stack_layers(_blocks(5), 2)
+
+
+def test_cast_matrices_knows_stacked_vectors_from_matrices() -> None:
+    cast = cast_matrices(stack_layers(_blocks(2), 1), jnp.bfloat16)
+    assert cast["embed"]["embedding"].dtype == jnp.bfloat16
+    assert cast[LAYERS]["0"]["attn"]["kernel"].dtype == jnp.bfloat16
+    assert cast[LAYERS]["0"]["norm"]["scale"].dtype == jnp.float32  # [L, D]: a stacked vector
+    moments = {"mu": _blocks(2), "count": jnp.int32(3)}
+    mapped = map_param_trees(lambda t: stack_layers(t, 1), moments, _blocks(2))
+    assert LAYERS in mapped["mu"] and mapped["count"] == 3
+
+
+@pytest.mark.slow
+def test_scanned_lora_run_resumes_exactly_and_exports_as_unrolled(tmp_path: Path) -> None:
+    prepared, tok = tiny_prepared(), tiny_tokenizer()
+    model_cfg, scratch, optim = finetune_configs("scratch", steps=2)
+    base = run_training(prepared, tok, model_cfg, scratch, optim, out_dir=tmp_path / "base").model_dir
+    runs = {}
+    for scan in (True, False):
+        _, train, optim = finetune_configs("lora", steps=4, scan_layers=scan)
+        runs[scan] = run_training(prepared, tok, model_cfg, train, optim, LORA, base_model_dir=base,
+                                  out_dir=tmp_path / f"scan-{scan}")  # fmt: skip
+    _, train, optim = finetune_configs("lora", steps=4, scan_layers=True)
+    state = build_state(model_cfg, train, optim, LORA, base, with_overrides(settings_for("cpu"), train))
+    assert LAYERS in state.trainable and not any(k.startswith("block_") for k in state.trainable)
+    assert len(jax.tree.leaves(state.trainable)) == 2 * len(LORA.targets)  # one leaf per kind, not per layer
+
+    scanned, unrolled = tmp_path / "scan-True", tmp_path / "scan-False"
+    assert_same_params(flat_params(unrolled / "model"), flat_params(scanned / "model"), atol=1e-5)
+    # The unmerged adapter file: block_i names and values as the unrolled run writes them.
+    adapters = [load_file(d / "model" / "adapter.safetensors") for d in (scanned, unrolled)]
+    assert adapters[0].keys() == adapters[1].keys() and any("block_1" in k for k in adapters[0])
+    for name in adapters[0]:
+        np.testing.assert_allclose(adapters[0][name], adapters[1][name], atol=1e-5, err_msg=name)
+
+    # Resume from step 2's checkpoint (block_i layout on disk, stacked again in the state): exact.
+    first = flat_params(scanned / "model")
+    shutil.rmtree(scanned / "checkpoints" / "4")
+    shutil.rmtree(scanned / "model")
+    again = run_training(prepared, tok, model_cfg, train, optim, LORA, base_model_dir=base, out_dir=scanned)
+    assert [r["step"] for r in again.history] == [3, 4]
+    assert_same_params(first, flat_params(scanned / "model"), atol=0)
