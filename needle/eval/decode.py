@@ -52,6 +52,7 @@ import numpy as np
 
 from needle.data.batching import bucket_for
 from needle.model.lora import in_compute_dtype
+from needle.model.scan import layer_period, stack_layers
 from needle.model.transformer import Transformer, init_cache
 
 Overflow = Literal["error", "shrink"]
@@ -264,6 +265,15 @@ def _decode_host(
     return out, int(steered.sum()), cache
 
 
+def decoding_params(model: Transformer, params: Any) -> Any:
+    """The weights as the decoding loop reads them: matrices in the compute dtype and, for a
+    scanned model, the blocks stacked (needle/model/scan.py), so no step re-stacks or re-casts them."""
+    settings = getattr(model, "settings", None)
+    if isinstance(model, Transformer) and settings is not None and settings.scan_layers:
+        params = stack_layers(params, layer_period(model.cfg.resolved_layer_types()))
+    return in_compute_dtype(params, settings)
+
+
 def _cut_at_end(row: np.ndarray, stop_ids: np.ndarray) -> tuple[list[int], bool, int]:
     """(ids before the first stop id, whether one occurred, tokens generated including it)."""
     hits = np.flatnonzero(np.isin(row, stop_ids))
@@ -304,7 +314,7 @@ def generate_detailed(
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be positive, got {max_new_tokens}, {batch_size}")
     _check_prompts(model, prompts, max_new_tokens, overflow)
-    params = in_compute_dtype(params, getattr(model, "settings", None))  # cast once, not every step
+    params = decoding_params(model, params)  # once per call, not in every step of the loop
     stops = stop_array(end_id)
     max_len = model.cfg.max_len
     rows = min(batch_size, 1 << max(0, len(prompts) - 1).bit_length())

@@ -134,3 +134,18 @@ def test_scanned_model_with_splash_attention_equals_blocked(cfg, make_tokens):
     splash = Transformer(cfg, settings=dataclasses.replace(SCAN, attention="splash"))
     out = jax.jit(lambda p: splash.apply({"params": p}, tokens, positions, segment_ids=segments))(params)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["needle", "gemma3_text"])
+def test_generate_on_a_scanned_model_equals_the_unrolled_one(cfg, make_tokens, family):
+    """generate_detailed stacks a scanned model's blocks once per call (decoding_params): the
+    loop reads layers/<j>, and the greedy tokens are the unrolled model's."""
+    from needle.eval.decode import decoding_params, generate_detailed
+
+    cfg = _gemma(cfg) if family == "gemma3_text" else cfg
+    scanned, unrolled = Transformer(cfg, settings=SCAN), Transformer(cfg, settings=CPU)
+    params = unrolled.init(jax.random.key(7), jnp.zeros((1, 8), jnp.int32))["params"]
+    assert "layers" in decoding_params(scanned, params) and "layers" not in decoding_params(unrolled, params)
+    prompts = [np.asarray(make_tokens((1, n), seed=n))[0].tolist() for n in (3, 6, 9)]
+    options = dict(max_new_tokens=6, end_id=cfg.vocab_size + 1, pad_id=0, batch_size=4)
+    assert generate_detailed(scanned, params, prompts, **options).ids == generate_detailed(unrolled, params, prompts, **options).ids
