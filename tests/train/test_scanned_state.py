@@ -85,3 +85,20 @@ def test_scanned_lora_run_resumes_exactly_and_exports_as_unrolled(tmp_path: Path
     again = run_training(prepared, tok, model_cfg, train, optim, LORA, base_model_dir=base, out_dir=scanned)
     assert [r["step"] for r in again.history] == [3, 4]
     assert_same_params(first, flat_params(scanned / "model"), atol=0)
+
+
+@pytest.mark.slow
+def test_accelerator_settings_export_merges_onto_the_float32_base(tmp_path: Path) -> None:
+    """The TPU's settings on this CPU: scanned, stacked state, a bfloat16 frozen base. The export
+    folds the adapters into the float32 master copy, so what has no adapter is the base exactly."""
+    prepared, tok = tiny_prepared(), tiny_tokenizer()
+    model_cfg, scratch, optim = finetune_configs("scratch", steps=2)
+    base = run_training(prepared, tok, model_cfg, scratch, optim, out_dir=tmp_path / "base").model_dir
+    _, train, optim = finetune_configs("lora", steps=2)
+    tuned = run_training(prepared, tok, model_cfg, train, optim, LORA, base_model_dir=base, out_dir=tmp_path / "tpu",
+                         settings=settings_for("tpu"))  # fmt: skip
+    base_p, tuned_p = flat_params(Path(base)), flat_params(Path(tuned.model_dir))
+    assert base_p.keys() == tuned_p.keys() and all(v.dtype == np.float32 for v in tuned_p.values())
+    untouched = [k for k in base_p if "embed" in k or "scale" in k]
+    assert untouched and all(np.array_equal(base_p[k], tuned_p[k]) for k in untouched)
+    assert any(not np.array_equal(base_p[k], tuned_p[k]) for k in base_p if "kernel" in k)
