@@ -1,6 +1,6 @@
 """Run the real cactus-needle ``finetune_local`` in its own virtualenv and collect its timings.
 
-The virtualenv is the library's own side environment (``needle.model.cactus_env``:
+The virtualenv is the library's own side environment (``needle.model.needle3.cactus_env``:
 ``$NEEDLE_CACTUS_VENV`` or ``~/.cache/needle/cactus-needle-3.2.8``, created on demand with pip);
 its package is also called ``needle``, which is why it never shares an interpreter with this
 repository. ``bench/cactus_worker.py`` runs
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from needle.errors import ModelImportError
-from needle.model.cactus_env import ensure_cactus_env
+from needle.model.needle3.cactus_env import ensure_cactus_env
 
 WORKER = Path(__file__).with_name("cactus_worker.py")
 

@@ -42,7 +42,7 @@ def load_tokenizer(jsonl: Path, vocab_size: int) -> Any:
     """A byte-level BPE trained on the rows (cached per source file and vocabulary size)."""
     from needle.data.load import read_rows
     from needle.data.prepare import collect_texts
-    from needle.tokenizer import Tokenizer, train_tokenizer
+    from needle.tokenizers.native import Tokenizer, train_tokenizer
 
     tok_dir = CACHE / f"tokenizer-{jsonl.stem}-{vocab_size}"
     if (tok_dir / "tokenizer.json").exists():

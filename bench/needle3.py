@@ -109,7 +109,7 @@ def measure_published(base_dir: Path, jsonl: Path, work: Path, steps: int = 4, b
     import resource
 
     from needle.config import DataConfig, LoraConfig, training_configs
-    from needle.model.needle3_export import export_needle
+    from needle.model.needle3.export import export_needle
     from needle.pipeline import obtain_base, prepare_data, train
 
     t0 = time.perf_counter()

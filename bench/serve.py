@@ -66,7 +66,7 @@ def _random_small(out: Path, max_len: int | None = None) -> Path:
     from needle.data.render import render_text
     from needle.model.io import save_model
     from needle.model.lora import init_params
-    from needle.tokenizer import train_tokenizer
+    from needle.tokenizers.native import train_tokenizer
 
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)
@@ -209,8 +209,8 @@ def compare_libs(n_sets: int = 32) -> dict:
 
     from needle.data.load import read_rows
     from needle.data.render import render_text
-    from needle.serve.constrain import call_list_schema
-    from needle.tokenizer import train_tokenizer
+    from needle.eval.constrain import call_list_schema
+    from needle.tokenizers.native import train_tokenizer
 
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)

@@ -155,7 +155,7 @@ def task_library_run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def task_mlflow(spec: dict[str, Any]) -> dict[str, Any]:
     """Time MlflowTracker calls of a simulated run (metrics every log_every steps) on a temp sqlite store."""
-    from needle.tracking import MlflowTracker
+    from needle.tracking.mlflow_tracker import MlflowTracker
 
     steps, every = spec.get("steps", 200), spec.get("log_every", 10)
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from needle_flows.paths import state_dir, tracking_uri
 from needle import cli as needle_cli
 from needle.config import preset_names
 from needle.errors import UsageError
 from needle.eval.report import before_after, format_table
-from needle.tracking import redact_uri
+from needle.tracking.redaction import redact_uri
+from needle_flows.paths import state_dir, tracking_uri
 
 
 def add_finetune(sub: Any) -> None:
@@ -46,6 +46,7 @@ def add_data(sub: Any) -> None:
 
 
 def _cmd_data_add(args: Any) -> int:
+    # lazy: landing validates rows with needle.data.load (datasets), only when the command runs
     from needle_flows.landing import announce, land, landing_dir
 
     overrides = parse_params(args.params)
@@ -113,10 +114,11 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     from prefect.context import SettingsContext
     from prefect.settings import Settings
 
+    # lazy: these import Prefect, which must see the environment set above first
     from needle_flows import run_record as rec
     from needle_flows.finetune import needle
     from needle_flows.params import FinetuneParams
-    from needle.mlflow_tracker import check_tracking
+    from needle.tracking.mlflow_tracker import check_tracking
 
     from pydantic import ValidationError
 

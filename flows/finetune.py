@@ -22,16 +22,17 @@ from typing import Any, Optional
 
 from prefect import flow, runtime
 
-from needle_flows import gate_record
-from needle_flows import run_record as rec
-from needle_flows.params import FinetuneParams
-from needle_flows.paths import resolve_source, state_dir, tracking_uri
 from needle import pipeline
 from needle.gate import overlap_count
 from needle.pipeline import config_digest
-from needle.tracking import MlflowTracker, redact_logs
-from needle_tasks.stages import base, champion, evaluate, export, fingerprint, finetune, gate, prepare, probe, register
-from needle_tasks.stages import unchanged, validate
+from needle.tracking.mlflow_tracker import MlflowTracker
+from needle.tracking.redaction import redact_logs
+from needle_flows import gate_record, run_record as rec
+from needle_flows.params import FinetuneParams
+from needle_flows.paths import resolve_source, state_dir, tracking_uri
+from needle_tasks.stages import (
+    base, champion, evaluate, export, finetune, fingerprint, gate, prepare, probe, register, unchanged, validate,
+)  # fmt: skip
 
 
 @flow(name="needle", log_prints=True)

@@ -14,9 +14,10 @@ from typing import Any
 import mlflow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from needle_flows.run_record import MlflowRun
 from needle.gate import GateOutcome, decision_table
-from needle.tracking import Tracker, redact_uri
+from needle.tracking.redaction import redact_uri
+from needle.tracking.tracker import Tracker
+from needle_flows.run_record import MlflowRun
 
 DECISION_KEY = "needle-decision"
 GATE_KEY = "needle-gate"

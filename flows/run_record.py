@@ -1,7 +1,7 @@
 """What the `needle` flow records in MLflow and Prefect: the run's life, tags, inputs, plots, summary.
 
 Kept apart from the flow so the flow reads as the pipeline it runs. Everything here talks to
-MLflow through ``MlflowClient`` with an explicit run id (thread-safe; see needle.tracking),
+MLflow through ``MlflowClient`` with an explicit run id (thread-safe; see needle.tracking.tracker),
 except ``start_run``/``end_*``, which own the flow thread's active run.
 
     run = start_run(tracking_uri(state_dir()))       # (needle_flows.paths)
@@ -21,15 +21,17 @@ from mlflow.tracking import MlflowClient
 from prefect import runtime
 from prefect.artifacts import create_markdown_artifact
 
+from needle import pipeline
+from needle.data.prepare import TOKENIZER_SUBDIR
+from needle.serve.pyfunc import log_pyfunc_to_run
+from needle.tracking.mlflow_tracker import (
+    HEARTBEAT_TAG, MlflowTracker, check_tracking, tracking_reachable, upload_pending_metrics,
+)  # fmt: skip
+from needle.tracking.redaction import redact_uri
+from needle.tracking.tracker import Tracker
 from needle_flows.params import FinetuneParams
 from needle_flows.paths import CHECKOUT, state_dir
 from needle_flows.reaper import watch_ephemeral_server
-from needle import pipeline
-from needle.data.prepare import TOKENIZER_SUBDIR
-from needle.mlflow_tracker import HEARTBEAT_TAG, MlflowTracker, check_tracking, tracking_reachable
-from needle.mlflow_tracker import upload_pending_metrics
-from needle.serve.pyfunc import log_pyfunc_to_run
-from needle.tracking import Tracker, redact_uri
 
 LOCAL_EXPERIMENT = "needle-local"
 DEFAULT_UI = "http://127.0.0.1:5000"

@@ -29,13 +29,15 @@ from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from needle import pipeline
+from needle.config import ClusterConfig
+from needle.train.launch import connect_ray, ray_address
+from needle.tracking.mlflow_tracker import MlflowTracker
+from needle.tracking.redaction import redact_logs, redact_uri
 from needle_flows import run_record as rec
 from needle_flows.finetune import gate_and_register
 from needle_flows.params import FinetuneParams
 from needle_flows.paths import resolve_source, state_dir, tracking_uri
-from needle import pipeline
-from needle.config import ClusterConfig
-from needle.tracking import MlflowTracker, redact_logs, redact_uri
 from needle_tasks.stages import fingerprint, probe, validate
 
 log = logging.getLogger("needle.sweep")
@@ -135,8 +137,6 @@ def join_cluster(p: SweepParams) -> tuple[Optional[ClusterConfig], Optional[int]
     without one. Connecting here first means the trials' launches share this one connection."""
     if p.cluster is None:
         return None, None
-    from needle.train.launch import connect_ray, ray_address
-
     address = ray_address(p.cluster)
     if not address:
         raise ValueError("a sweep on Ray needs a running cluster: set cluster.address or RAY_ADDRESS "

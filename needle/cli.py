@@ -23,8 +23,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from needle.config import preset_names
-from needle.errors import UsageError
+from needle.config import ClusterConfig, DataConfig, LoraConfig, preset_names, training_configs
+from needle.data.sample import write_sample
+from needle.errors import NeedleError, UsageError
+from needle.hardware import format_probe, probe
+from needle.registry import resolve_model_dir
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,14 +80,13 @@ def _check_base(mode: str, base: str | None) -> None:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from needle.hardware import format_probe, probe
-
     info = probe()
     print(json.dumps(info, sort_keys=True) if args.json else format_probe(info))
     return 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
     from needle.data.load import format_validation, validate_source
 
     worst = 0
@@ -96,8 +98,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_sample(args: argparse.Namespace) -> int:
-    from needle.data.sample import write_sample
-
     paths = write_sample(args.out_dir, seed=args.seed)
     for part, path in paths.items():
         print(f"{part}: {path}")
@@ -105,8 +105,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
     from needle import pipeline
-    from needle.config import ClusterConfig, DataConfig, LoraConfig, training_configs
 
     scratch = args.mode == "scratch"
     _check_base(args.mode, args.base)  # argument mistakes fail before any file is read or written
@@ -144,11 +144,11 @@ def _train_summary(trained: Any, prepared: Any, mode: str, preset: str) -> dict[
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from needle.model.adapter import export_model
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
+    from needle.model.export import export_model
 
     if args.format == "gguf":  # the model file and, for a LoRA run, the adapter file: one path a line
-        from needle.model.gguf.export import export_gguf
-        from needle.registry import resolve_model_dir
+        from needle.model.gguf.export import export_gguf  # lazy, as export_model
 
         for path in export_gguf(resolve_model_dir(args.model), args.out, args.type or "f16"):
             print(path)
@@ -160,10 +160,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_sample_model(args: argparse.Namespace) -> int:
-    from needle.model.hf_sample import parse_shape, write_random_hf_model
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
+    from needle.model.hf.sample import parse_shape, write_random_hf_model
 
     if args.arch == "needle3":
-        from needle.model.needle3_sample import SHAPES, write_random_needle3
+        from needle.model.needle3.sample import SHAPES, write_random_needle3  # lazy, as above
 
         shape = args.shape or "tiny"
         print(write_random_needle3(args.out_dir, data=args.data, seed=args.seed,
@@ -175,6 +176,7 @@ def _cmd_sample_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
     from needle.serve.predict import run_evaluate_cli
 
     if args.out is not None:
@@ -183,6 +185,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
     from needle.model.gguf.reader import is_gguf_file
     from needle.serve.engine import PREFIX_CACHE_ENV
     from needle.serve.http import serve
@@ -191,7 +194,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         os.environ[PREFIX_CACHE_ENV] = str(args.prefix_cache_mb)  # read where the pyfunc builds its Predictor
     model = args.model
     if is_gguf_file(model):  # a llama.cpp file: served as the needle model directory it imports to
-        from needle.model.io import gguf_model_dir
+        from needle.model.io import gguf_model_dir  # lazy, as above
 
         model = str(gguf_model_dir(model, prepared_cache_dir().parent / "gguf"))
     serve(model, host=args.host, port=args.port)
@@ -199,6 +202,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
     from needle.serve.predict import run_predict_cli
 
     queries = [args.query] if args.query is not None else _stdin_queries()
@@ -295,7 +299,7 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--tools", required=True, help="JSON file with the list of tools")
     p.add_argument("--query", default=None, help="the query (default: read stdin)")
     p.add_argument("--free", action="store_true",
-                   help="decode freely (default: constrained to the offered tools' schemas, needle/serve/constrain.py)")
+                   help="decode freely (default: constrained to the offered tools' schemas, needle/eval/constrain.py)")
     p.set_defaults(func=_cmd_predict)
 
     p = sub.add_parser("serve", help="serve a model over HTTP: MLflow's /invocations and OpenAI's /v1/chat/completions")
@@ -325,8 +329,6 @@ def main(argv: Sequence[str] | None = None, extensions: Sequence[Extension] = ()
     A command whose parser sets ``own_logging`` (the flow: Prefect routes needle's log lines)
     configures logging itself.
     """
-    from needle.errors import NeedleError
-
     args = build_parser(extensions).parse_args(argv)
     if not getattr(args, "own_logging", False):
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -299,7 +299,7 @@ class EvalConfig(_Strict):
     max_rows: int | None = Field(None, gt=0, description="cap on evaluated rows (None: the whole split)")
     constrained: bool = Field(
         True, description="also decode under the offered tools' call grammar and report constrained_* metrics "
-        "beside free decoding's (needle/serve/constrain.py)"
+        "beside free decoding's (needle/eval/constrain.py)"
     )
 
 

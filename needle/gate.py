@@ -29,6 +29,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from needle.data.sample import generate_rows, write_rows
+from needle.pipeline import score_models
+
 GATE_SEED = 7919  # the gate's own sample seed: never one the training sample uses
 GATE_ROWS = 200
 DEFAULT_GATE = "data/sample/gate.jsonl"
@@ -165,8 +168,6 @@ def run_gate(challenger_dir: str, champion: tuple[str, str] | None, gate_rows: A
              out_dir: str | Path) -> GateOutcome:  # fmt: skip
     """Score the challenger and the champion (``(version, model_dir)`` or None) on the gate rows
     (a ``LoadedSource``) with the same decoding settings ``cfg``, and apply ``rule``."""
-    from needle.pipeline import score_models
-
     models = {"challenger": challenger_dir, **({"champion": champion[1]} if champion else {})}
     scores = score_models(models, gate_rows, cfg, out_dir)
     decision = decide(scores["challenger"], scores.get("champion"), rule)
@@ -222,8 +223,6 @@ def overlap_count(training_rows: list[Any], gate_rows: list[Any]) -> int:
 def held_out_rows(n: int, training_rows: list[dict[str, Any]], seed: int = GATE_SEED) -> list[dict[str, Any]]:
     """``n`` new-tool rows of the sample generator (seed ``seed``) whose queries appear in none
     of ``training_rows`` and in no earlier gate row."""
-    from needle.data.sample import generate_rows
-
     seen = {q for r in training_rows for q in user_queries(r)}
     out: list[dict[str, Any]] = []
     drawn = 0
@@ -241,8 +240,6 @@ def held_out_rows(n: int, training_rows: list[dict[str, Any]], seed: int = GATE_
 
 def write_gate_sample(out: str | Path, training: str | Path, n: int = GATE_ROWS, seed: int = GATE_SEED) -> Path:
     """Write the held-out gate set for the rows in ``training`` (the bundled ``new.jsonl``)."""
-    from needle.data.sample import write_rows
-
     rows = [json.loads(line) for line in Path(training).read_text(encoding="utf-8").splitlines() if line.strip()]
     return write_rows(out, held_out_rows(n, rows, seed))
 

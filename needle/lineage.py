@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from needle.data.load import file_digest, load_source, source_digest
+from needle.pipeline import auto_base_key, config_digest
 
 
 def data_digest(source: str, on_error: str = "fail") -> str:
@@ -47,8 +48,6 @@ def base_fingerprint(spec: str, auto: Any | None = None) -> dict[str, str]:
     revision: without one the hub's head may move under the same key).
     """
     if spec == "auto":
-        from needle.pipeline import auto_base_key
-
         return {"base_source": f"auto:{auto.data.source}", "base_key": auto_base_key(auto, data_digest(auto.data.source, auto.data.on_error))}
     if Path(spec).is_dir():
         return {"base_source": str(spec), "base_key": directory_digest(spec)}
@@ -59,6 +58,4 @@ def base_fingerprint(spec: str, auto: Any | None = None) -> dict[str, str]:
 
 def inputs_key(data: str, base_key: str, config: dict[str, Any]) -> str:
     """One key for (data, base, training config): equal keys train the same model."""
-    from needle.pipeline import config_digest
-
     return config_digest(data, base_key, config)

@@ -12,7 +12,7 @@ functions, so there is one path from a JSONL file to a registered model::
 
 Stages take configs and earlier stages' results and return frozen dataclasses; they write only
 under the directories they are given and report through a ``Tracker``. Nothing here imports
-Prefect or the shell; MLflow is reached only through ``needle.tracking``/``needle.registry``.
+Prefect or the shell; MLflow is reached only through ``needle.tracking.tracker``/``needle.registry``.
 """
 
 from __future__ import annotations
@@ -26,18 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
-from needle.config import DEFAULT_PRESET, model_preset
+from needle.config import (
+    ClusterConfig, DEFAULT_PRESET, DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig, model_preset,
+)  # fmt: skip
 from needle.data.load import LoadedSource, OnError, load_source
-from needle.data.prepare import PreparedData, cache_key, collect_texts, load_cached, prepare_rows, save_cached
-from needle.data.prepare import tokenizer_sha256
+from needle.data.prepare import (
+    PreparedData, cache_key, collect_texts, load_cached, prepare_rows, save_cached, tokenizer_sha256,
+)  # fmt: skip
 from needle.eval.evaluate import evaluate_model
 from needle.eval.report import compare, summary_of, write_report
-from needle.model.io import LoadedModel, load_model
+from needle.model.factory import LoadedModel
+from needle.model.io import load_model
+from needle.model.lora import count_params
 from needle.registry import Registration, decide_registration
-from needle.tokenizer import Tokenizer, train_tokenizer
-from needle.tracking import NoopTracker, PrefixedTracker, Tracker
+from needle.tokenizers.native import Tokenizer, train_tokenizer
+from needle.tracking.tracker import NoopTracker, PrefixedTracker, Tracker
 from needle.train.finetune import run_training
+from needle.train.launch import TrainSpec, train_on_workers
 
 __all__ = [
     "AutoBase", "Base", "Evaluation", "LoadedSource", "PreparedSet", "Registration", "Trained",
@@ -94,8 +99,6 @@ class Base:
 
     def describe(self) -> dict[str, Any]:
         """Where the base came from: source (hub id or path), revision, architecture, parameter count."""
-        from needle.model.lora import count_params
-
         imported = self.loaded.meta.get("base") or {}
         return {"source": imported.get("source", self.model_dir), "revision": imported.get("revision"),
                 "arch": self.model_cfg.arch, "n_params": imported.get("n_params") or count_params(self.loaded.params)}
@@ -176,7 +179,7 @@ def obtain_base(
     ``tracker`` (keys prefixed ``base/``) so every run has the same keys; anything else is loaded
     with ``load_model``: a native export, a Hugging Face model directory or ``hf:owner/name[@rev]``
     (the model config comes from the base; a named ``preset`` must match a native base's;
-    ``max_len`` sets an imported model's context, see ``needle.model.hf.IMPORTED_MAX_LEN``)."""
+    ``max_len`` sets an imported model's context, see ``needle.model.hf.config.IMPORTED_MAX_LEN``)."""
     if spec != "auto":
         return _load_base(spec, preset, max_len)
     if auto is None or state_dir is None:
@@ -304,7 +307,6 @@ def _train_on_cluster(
     prepared: PreparedSet, model_cfg: ModelConfig, train_cfg: TrainConfig, optim_cfg: OptimConfig,
     lora_cfg: LoraConfig | None, base: Base | None, out: Path, cluster: ClusterConfig,
 ) -> Any:  # fmt: skip
-    from needle.train.launch import TrainSpec, train_on_workers
 
     directory = prepared.directory
     if directory is None:  # the workers read the prepared data from disk

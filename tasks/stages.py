@@ -21,7 +21,10 @@ from needle import gate as gating
 from needle import lineage, pipeline, registry
 from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, OptimConfig, TrainConfig
 from needle.errors import NeedleError
-from needle.tracking import Tracker
+from needle.hardware import format_probe
+from needle.hardware import probe as probe_runtime
+from needle.model.export import export_run_model
+from needle.tracking.tracker import Tracker
 
 
 def transient_only(task: Task, task_run: TaskRun, state: State) -> bool:
@@ -70,8 +73,6 @@ def evaluate(base: pipeline.Base, tuned_dir: str, prepared: pipeline.PreparedSet
 @task(name="export", cache_policy=NO_CACHE)
 def export(model_dir: str, out_dir: Path) -> dict[str, Path]:
     """Write the tuned model as a Hugging Face model (and a PEFT adapter for an imported base)."""
-    from needle.model.adapter import export_run_model
-
     return export_run_model(model_dir, out_dir)
 
 
@@ -121,8 +122,6 @@ def register(run_id: str, tracking_uri: str, tags: dict[str, Any], outcome: gati
 @task(name="probe", cache_policy=NO_CACHE)
 def probe() -> dict[str, Any]:
     """Probe the JAX runtime and publish the report as a Prefect artifact."""
-    from needle.hardware import format_probe, probe as probe_runtime
-
     info = probe_runtime()
     create_markdown_artifact(
         key="hardware-probe",

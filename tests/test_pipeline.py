@@ -12,8 +12,7 @@ import pytest
 from needle import pipeline
 from needle.config import DataConfig, training_configs
 from needle.registry import decide_registration
-from needle.tracking import MemoryTracker as RecordingTracker
-from needle.tracking import PrefixedTracker
+from needle.tracking.tracker import MemoryTracker as RecordingTracker, PrefixedTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +62,7 @@ def test_prepare_data_validates_once_and_caches_by_content(sample_data: dict[str
 
 
 def test_needle_imports_no_shell_and_the_cli_keeps_working() -> None:
-    code = ("import sys, needle.cli, needle.pipeline, needle.registry, needle.tracking; "
+    code = ("import sys, needle.cli, needle.pipeline, needle.registry, needle.tracking.tracker; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'needle_flows', 'needle_tasks', 'flows', 'tasks', 'mlflow')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

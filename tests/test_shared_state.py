@@ -14,7 +14,8 @@ import pytest
 from needle import pipeline
 from needle.config import DataConfig, model_preset, training_configs
 from needle.errors import CheckpointMismatchError
-from needle.tracking import MemoryTracker, RedactingFilter, redact_uri, sanitize_params
+from needle.tracking.redaction import RedactingFilter, redact_uri, sanitize_params
+from needle.tracking.tracker import MemoryTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_URI = "http://user:secret@127.0.0.1:1"

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from needle.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from needle.tokenizers.base import SPECIAL_TOKENS
+from needle.tokenizers.native import Tokenizer, train_tokenizer
 
 CORPUS = [
     '<|bos|><|user|>Set a timer for 5 minutes<|end|><|assistant|><|call|>[{"name":"set_timer"}]<|end|>',
@@ -102,7 +103,8 @@ def test_wrapper_rejects_tokenizer_without_specials_at_fixed_ids() -> None:
 
 
 def test_load_tokenizer_picks_the_native_one_and_keeps_its_bytes(tmp_path) -> None:
-    from needle.tokenizer import TokenizerLike, load_tokenizer
+    from needle.tokenizers.base import TokenizerLike
+    from needle.tokenizers.load import load_tokenizer
 
     tok = train_tokenizer(CORPUS, vocab_size=300)
     path = tok.save(tmp_path)

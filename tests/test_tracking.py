@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from needle.tracking import (
-    MAX_PARAM_VALUE_CHARS,
-    REDACTED,
-    TRUNCATED_TAG,
-    MlflowTracker,
-    NoopTracker,
-    Tracker,
-    is_secret_key,
-)
+from needle.tracking.mlflow_tracker import MlflowTracker
+from needle.tracking.redaction import MAX_PARAM_VALUE_CHARS, REDACTED, TRUNCATED_TAG, is_secret_key
+from needle.tracking.tracker import NoopTracker, Tracker
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,8 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from needle.tracking import (
-    HEARTBEAT_TAG,
-    MlflowTracker,
-    TrackingUnavailableError,
-    check_tracking,
-    upload_pending_metrics,
+from needle.tracking.mlflow_tracker import (
+    HEARTBEAT_TAG, MlflowTracker, TrackingUnavailableError, check_tracking, upload_pending_metrics,
 )
 from tests.train.train_helpers import finetune_configs, tiny_prepared, tiny_tokenizer
 

@@ -36,10 +36,15 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from needle.data.conversation import row_messages
-from needle.data.render import DEFAULT_SYSTEM, ChatFormat, Example, NativeFormat, compact_json, format_calls, join_example
+from needle.data.needle3_format import Needle3Format
+from needle.data.parse import ParsedCall, Parser, parse_json_list, parser_for
+from needle.data.render import (
+    ChatFormat, DEFAULT_SYSTEM, Example, NativeFormat, compact_json, format_calls, join_example,
+)  # fmt: skip
 from needle.data.schema import Row
-from needle.eval.parse import ParsedCall, Parser, parse_json_list, parser_for
-from needle.tokenizer import TokenizerLike
+from needle.tokenizers.base import TokenizerLike
+from needle.tokenizers.native import Tokenizer
+from needle.tokenizers.needle3 import Needle3Tokenizer
 
 log = logging.getLogger(__name__)
 TOOLS_INSTRUCTION = (
@@ -354,16 +359,13 @@ class JinjaChatFormat:
 
 
 def format_for(tok: TokenizerLike, template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
-    """The chat format of a tokenizer: the one it brings (Needle 3's), its own Jinja template,
+    """The chat format of a tokenizer: Needle 3's for its tokenizer, its own Jinja template,
     else needle's (with a warning)."""
-    own = getattr(tok, "chat_format", None)
-    if callable(own):
-        return own()
+    if isinstance(tok, Needle3Tokenizer):
+        return Needle3Format()
     template = getattr(tok, "chat_template", None)
     if template:
         return JinjaChatFormat(template, getattr(tok, "special_tokens_map", {}), template_kwargs)
-    from needle.tokenizer import Tokenizer
-
     if not isinstance(tok, Tokenizer):
         log.warning("%r has no chat template: using needle's own template (needle/data/render.py)", tok)
     return NativeFormat()

@@ -33,8 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 
+from needle.data.bounds import MAX_ROW_BYTES, loads_bounded
 from needle.data.conversation import derived_fields
-from needle.data.schema import MAX_ROW_BYTES, Row, loads_bounded, parse_row, row_to_dict
+from needle.data.schema import Row, parse_row, row_to_dict
 from needle.errors import DataError, DataIssue
 
 OnError = Literal["fail", "drop"]

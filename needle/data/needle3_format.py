@@ -14,11 +14,11 @@ and EOS. Unlike the reference, which cuts rows at ``max_len`` without a word, an
 flagged (``Example.truncated``) and the data preparation refuses or drops it, as for every other
 format (needle/data/prepare.py).
 
-    fmt = Needle3Format()                                  # or Needle3Tokenizer.chat_format()
+    fmt = Needle3Format()                                  # or format_for(Needle3Tokenizer)
     ex = fmt.encode_example(row, tok, max_len=2048)        # ids, loss_mask, truncated
     prompt_ids = fmt.encode_prompt(row, tok)               # [bos] + prompt: what generation starts from
     fmt.parse('<tool_call>[{"name":"f","arguments":{}}]</tool_call><|im_end|>').calls
-    parser_for("needle3") is parse_needle3                 # needle/eval/parse.py
+    parser_for("needle3") is parse_needle3                 # needle/data/parse.py
 
 ``render_example(example)`` is the reference's function on a raw example dict (tools or answers
 as a JSON string are kept verbatim there); needle's rows (``Row``) hold parsed tools, which are
@@ -33,12 +33,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from needle.data.conversation import row_messages
+from needle.data.parse import ParsedCall, parse_needle3
 from needle.data.render import Example, compact_json, format_calls, join_example
 from needle.data.schema import Row
-from needle.eval.parse import ParsedCall, parse_needle3  # noqa: F401  (the parser sits below, with the others)
-from needle.needle3_markers import BOS_ID, EOS_ID, IM_END, IM_START, THINK_END, THINK_START, TOOL_CALL_END
-from needle.needle3_markers import TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, TOOLS_END, TOOLS_START
-from needle.tokenizer_base import TokenizerLike
+from needle.tokenizers.base import TokenizerLike
+from needle.tokenizers.markers import (
+    BOS_ID, EOS_ID, IM_END, IM_START, THINK_END, THINK_START, TOOLS_END, TOOLS_START, TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START,
+)  # fmt: skip
 
 FORMAT_ID = "needle3"
 TEMPLATE_VERSION = "1"
@@ -76,7 +78,7 @@ def _special_id(tok: TokenizerLike, attr: str, want: int) -> int:
     got = getattr(tok, attr, None)
     if got != want:
         raise ValueError(f"{tok!r} is not a Needle 3 tokenizer ({attr} is {got}, Needle's is {want}): "
-                         "the needle3 format needs needle.needle3_tokenizer.Needle3Tokenizer")  # fmt: skip
+                         "the needle3 format needs needle.tokenizers.needle3.Needle3Tokenizer")  # fmt: skip
     return want
 
 
@@ -93,8 +95,6 @@ def conversation_segments(row: Row) -> list[tuple[str, int | None]]:
 
     so a query/answers row gives exactly :func:`render_example`'s prompt and target.
     """
-    from needle.data.conversation import row_messages  # lazy, as render.conversation_segments
-
     messages = row_messages(row)
     out: list[tuple[str, int | None]] = []
     text = ""

@@ -32,11 +32,13 @@ import datasets
 import numpy as np
 
 from needle.config import DataConfig
+from needle.data.chat import ChatTemplateError, format_for
 from needle.data.load import LoadedSource, load_source, records_dataset, row_to_record
 from needle.data.render import TEMPLATE, TEMPLATE_VERSION, ChatFormat, Example, NativeFormat, render_text
 from needle.data.schema import Row, split_source
 from needle.errors import DataError, DataIssue
-from needle.tokenizer import Tokenizer, load_tokenizer
+from needle.tokenizers.load import load_tokenizer
+from needle.tokenizers.native import Tokenizer
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "val", "test")
@@ -185,8 +187,6 @@ CONVERSATION_NOT_RENDERED = ("conversation rows cannot be trained on with this m
 def _encode_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer, fmt: ChatFormat) -> tuple[list[Row], list[Example], list[DataIssue]]:
     """Render and tokenize every row; a row the chat template refuses, or one longer than
     ``max_len`` tokens, is a file:line issue (raised under ``on_error="fail"``, else dropped)."""
-    from needle.data.chat import ChatTemplateError
-
     rows, examples, refused = [], [], []
     for row in loaded.rows:
         if row.messages is not None and not hasattr(fmt, "encode_conversation"):
@@ -221,8 +221,6 @@ def prepare_rows(loaded: LoadedSource, cfg: DataConfig, tokenizer: Tokenizer) ->
     Rows are rendered with the tokenizer's chat format: a pretrained model's own template, or
     needle's (``needle.data.chat.format_for``).
     """
-    from needle.data.chat import format_for
-
     fmt = format_for(tokenizer)
     rows, examples, refused = _encode_rows(loaded, cfg, tokenizer, fmt)
     issues = [*loaded.issues, *refused]

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import re
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from needle.data.conversation import row_messages
+from needle.data.parse import ParsedCall, parse_calls
 from needle.data.schema import Row
-from needle.tokenizer_base import ASSISTANT, BOS, CALL, END, SYSTEM, THINK, TOOLS, USER, TokenizerLike
-
-if TYPE_CHECKING:
-    from needle.eval.parse import ParsedCall
+from needle.tokenizers.base import ASSISTANT, BOS, CALL, END, SYSTEM, THINK, TOOLS, USER, TokenizerLike
 
 TEMPLATE_VERSION = "1"
 DEFAULT_SYSTEM = "Answer by calling the right tools."
@@ -160,8 +159,6 @@ def conversation_segments(row: Row) -> list[tuple[str, int | None]]:
     with reasoning and a text answer but no calls is refused (``ValueError``): no token would
     separate the two.
     """
-    from needle.data.conversation import row_messages  # lazy: conversation is a leaf; keeps render light
-
     messages = row_messages(row)
     system = messages[0]["content"] if messages[0]["role"] == "system" else DEFAULT_SYSTEM
     out: list[tuple[str, int | None]] = []
@@ -219,8 +216,6 @@ class NativeFormat:
         return f"needle:{TEMPLATE_VERSION}:{TEMPLATE}"
 
     def parse(self, text: str) -> "ParsedCall":
-        from needle.eval.parse import parse_calls  # lazy: eval imports data, not the reverse
-
         return parse_calls(text)
 
     def __repr__(self) -> str:

@@ -20,9 +20,8 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from needle.data.sample_tools import (  # noqa: F401  (re-exported: the catalogue's public names)
-    BASE_TOOLS, CATALOGUE, JOINERS, MAX_NEW_OFFERED, NEW_TOOLS, Tool, _NEW_NAMES, fill,
-)
+from needle.data.sample_conversations import generate_conversations
+from needle.data.sample_tools import BASE_TOOLS, CATALOGUE, JOINERS, MAX_NEW_OFFERED, NEW_TOOLS, _NEW_NAMES, Tool, fill
 
 Part = Literal["base", "new"]
 
@@ -114,8 +113,6 @@ def write_sample(out_dir: str | Path, seed: int = 0, n_base: int = 12000, n_new:
     ``new.jsonl`` ends with ``n_conversations`` conversations over the new tools
     (needle/data/sample_conversations.py; default 3 per 20 rows: 600 after the 4,000 rows).
     """
-    from needle.data.sample_conversations import generate_conversations
-
     d = Path(out_dir)
     n_conv = n_new * 3 // 20 if n_conversations is None else n_conversations
     return {

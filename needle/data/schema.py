@@ -34,9 +34,8 @@ from typing import Any
 
 from jsonschema import SchemaError
 
-from needle.data.bounds import (  # re-exported: the row format's limits and bounded reader live there
-    MAX_DEPTH, MAX_ROW_BYTES, PATTERN_TIMEOUT_S, ROW_REGEX_BUDGET_S, check_decoded, check_surrogates,
-    decode_json_field, loads_bounded, parse_call, schema_validator, start_row_budget,
+from needle.data.bounds import (
+    MAX_DEPTH, MAX_ROW_BYTES, PATTERN_TIMEOUT_S, ROW_REGEX_BUDGET_S, check_decoded, check_surrogates, decode_json_field, loads_bounded, parse_call, schema_validator, start_row_budget,
 )  # fmt: skip
 from needle.data.conversation import derived_fields, parse_messages
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from needle.data.conversation import assistant_turns, derived_fields
 from needle.data.schema import Row
-from needle.tokenizer_base import TokenizerLike
+from needle.tokenizers.base import TokenizerLike
 
 
 @dataclass(frozen=True)

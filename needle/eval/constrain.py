@@ -55,7 +55,9 @@ from typing import Any
 
 import numpy as np
 
-from needle.tokenizer import CALL, TokenizerLike
+from needle.data import parse
+from needle.data.render import NativeFormat
+from needle.tokenizers.base import CALL, TokenizerLike
 
 LIBRARY = "llguidance"
 # A constrained row with this many tokens of budget left is steered to finish its call list:
@@ -137,9 +139,6 @@ def _lit(text: str, specials: dict[str, int]) -> str:
 
 def format_kind(fmt: Any) -> str:
     """``native``, ``needle3``, ``json_list``, ``hermes``, ``llama`` or ``function_gemma`` for a ChatFormat."""
-    from needle.data.render import NativeFormat
-    from needle.eval import parse
-
     if isinstance(fmt, NativeFormat):
         return "native"
     if getattr(fmt, "name", None) == "needle3":  # Needle3Format (needle/data/needle3_format.py)

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from needle.data.batching import bucket_for
+from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
 from needle.model.lora import in_compute_dtype
 from needle.model.scan import layer_period, stack_layers
 from needle.model.transformer import Transformer, init_cache
@@ -226,8 +227,6 @@ def _decode_host(
     a matcher, ``on_token(row, id)`` as each live row's token is chosen (its stop id included).
     Returns the tokens, how many rows were steered to close (module doc: only once a row has
     opened a call list, so text, or a list not yet begun, is what any budget gives) and the cache."""
-    from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
-
     constrained = np.array([m is not None for m in matchers]) if matchers else np.zeros(len(limits), bool)
     rows, masked = tokens.shape[0], bool(constrained.any())
     if masked:

@@ -20,7 +20,7 @@ max_new_tokens``, kept whole but given only the remaining context to answer in) 
 ``n_unfinished`` (rows that ran out of tokens without a stop id).
 
 With ``cfg.constrained`` (the default) every row is decoded a second time under the grammar of
-its offered tools (needle/serve/constrain.py) and ``metrics`` also holds the same keys prefixed
+its offered tools (needle/eval/constrain.py) and ``metrics`` also holds the same keys prefixed
 ``constrained_`` (``constrained_valid_call_rate``, ``constrained_exact_match``, …,
 ``constrained_rows_per_s``, ``constrained_n_steered``), the per-row table of that decode in
 ``constrained_examples``. The unprefixed keys stay free decoding's, so gates and history compare
@@ -49,18 +49,19 @@ import jax
 from needle.config import EvalConfig
 from needle.data.batching import BatchPlan
 from needle.data.chat import format_for
+from needle.data.parse import ParsedCall
 from needle.data.render import compact_json, encode_prompts
 from needle.data.schema import Row, parse_row, split_source
 from needle.data.turns import Turn, conversation_prompt, expand_turns
 from needle.errors import DataError, DataIssue
+from needle.eval.constrain import Constraints, UnsupportedFormat
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.metrics import score_predictions
-from needle.eval.parse import ParsedCall
 from needle.eval.reply import read_reply
 from needle.eval.turn_metrics import score_conversations, score_text_turns
 from needle.hardware import BackendSettings, settings_for
-from needle.model.factory import module_for
-from needle.model.io import LoadedModel, load_model
+from needle.model.factory import LoadedModel, module_for
+from needle.model.io import load_model
 from needle.model.transformer import Transformer
 from needle.train.loss import model_loss_sum
 
@@ -282,8 +283,6 @@ def _score_turns(fmt: Any, turns: list[Turn], texts: list[str], finished: list[b
 def _constrained_metrics(model: Transformer, params: Any, tok: Any, fmt: Any, turns: list[Turn],
                          prompts: list[list[int]], cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:  # fmt: skip
     """The ``constrained_*`` metrics and examples (module doc); a format without a grammar says why."""
-    from needle.eval.constrain import Constraints, UnsupportedFormat
-
     try:
         constraints = Constraints.for_tokenizer(tok, fmt)
     except UnsupportedFormat as exc:

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from needle.data.parse import strip_think
 from needle.eval.constrain import UnsupportedFormat, format_kind
-from needle.eval.parse import strip_think
-from needle.needle3_markers import IM_END
-from needle.tokenizer_base import CALL, END, THINK
+from needle.tokenizers.base import CALL, END, THINK
+from needle.tokenizers.markers import IM_END
 
 _OPENERS = {"native": CALL, "needle3": "<tool_call>", "hermes": "<tool_call>",
             "function_gemma": "<start_function_call>"}  # fmt: skip

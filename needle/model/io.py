@@ -4,12 +4,12 @@ Layout of ``model_dir``::
 
     params/          orbax StandardCheckpointer tree, base layout (no LoRA leaves), float32
     config.json      ModelConfig.model_dump()
-    tokenizer.json   needle.tokenizer.Tokenizer.save(model_dir) (tokenizer.model for Needle 3)
+    tokenizer.json   needle.tokenizers.native.Tokenizer.save(model_dir) (tokenizer.model for Needle 3)
     meta.json        free-form JSON metadata (run id, data fingerprint, metrics, ...)
 
-``load_model`` also reads a Needle 3 base (needle/model/needle3_io.py: a cactus-needle
+``load_model`` also reads a Needle 3 base (needle/model/needle3/io.py: a cactus-needle
 checkpoint, its hub repository's layout or ``hf:`` id) and a Hugging Face model directory (``config.json`` with a ``model_type``
-and safetensors weights) or a hub id ``hf:owner/name[@revision]`` (needle/model/hf.py): it
+and safetensors weights) or a hub id ``hf:owner/name[@revision]`` (needle/model/hf/config.py): it
 imports params, a ``ModelConfig``, the model's own tokenizer and ``meta["base"]``
 (source, revision, arch, n_params); a GGUF file (needle/model/gguf/) likewise. A model of an imported architecture saved with
 ``save_model`` is a native directory like any other (its config.json carries the switches and
@@ -26,6 +26,7 @@ registry read it back with :func:`load_model`; ``module_for(cfg)`` (a LoRA-free 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -38,14 +39,17 @@ from flax import traverse_util
 
 from needle.config import ModelConfig
 from needle.errors import CheckpointMismatchError, ModelImportError, ModelNotFoundError
-from needle.model.lora import LORA_LEAVES, Params
-
-# The file layout and its shared pieces live one layer down (needle/model/layout.py), so the
-# HF, adapter and Needle 3 modules that io dispatches to never import io back for them.
-from needle.model.layout import (  # noqa: F401
-    CONFIG_FILE, META_FILE, PARAMS_DIR, REQUIRED, TOKENIZER_FILE, TOKENIZER_FILES, LoadedModel,
-    _swap_in, abstract_params, save_adapter,
+from needle.model.factory import LoadedModel, abstract_params
+from needle.model.gguf.importer import import_gguf_model
+from needle.model.gguf.reader import is_gguf_file
+from needle.model.hf.config import ALLOW_PATTERNS as HF_PATTERNS, download_snapshot, is_hf_model_dir
+from needle.model.hf.importer import import_hf_model
+from needle.model.layout import (
+    CONFIG_FILE, META_FILE, PARAMS_DIR, REQUIRED, TOKENIZER_FILE, TOKENIZER_FILES, _swap_in, save_adapter,
 )  # fmt: skip
+from needle.model.lora import LORA_LEAVES, Params
+from needle.model.needle3.io import ALLOW_PATTERNS as NEEDLE3_PATTERNS, import_needle3_model, is_needle3_source
+from needle.tokenizers.load import load_tokenizer
 
 
 def _check_layout(params: Params, cfg: ModelConfig) -> None:
@@ -124,13 +128,7 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
     Params come back as jax arrays on the default device. ``max_len`` caps an imported model's
     context (default: its ``max_position_embeddings``); native models keep their own.
     """
-    from needle.model.gguf.reader import is_gguf_file
-    from needle.model.hf import is_hf_model_dir
-    from needle.model.needle3_io import import_needle3_model, is_needle3_source
-
     if is_gguf_file(model_dir) or str(model_dir).lower().endswith(".gguf"):  # llama.cpp's file: needle/model/gguf/
-        from needle.model.gguf.importer import import_gguf_model
-
         return import_gguf_model(model_dir, max_len=max_len)
     if str(model_dir).startswith("hf:"):
         if is_needle3_source(_hub_snapshot(str(model_dir))):
@@ -163,14 +161,12 @@ def load_model(model_dir: str | Path, *, max_len: int | None = None) -> LoadedMo
             params = ckptr.restore(root / PARAMS_DIR, target)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointMismatchError(f"{root / PARAMS_DIR}: params do not match {CONFIG_FILE}: {e}") from e
-    return LoadedModel(params=params, model_cfg=cfg, tokenizer=_load_tokenizer(root), meta=meta)
+    return LoadedModel(params=params, model_cfg=cfg, tokenizer=load_tokenizer(root), meta=meta)
 
 
 def _hub_snapshot(spec: str) -> Path:
     # One snapshot with both layouts' files decides the family: Hugging Face or a Needle repository.
-    from needle.model import hf, needle3_io
-
-    return hf.download_snapshot(spec, hf.ALLOW_PATTERNS + needle3_io.ALLOW_PATTERNS).path
+    return download_snapshot(spec, HF_PATTERNS + NEEDLE3_PATTERNS).path
 
 
 def _present(root: Path, name: str) -> bool:
@@ -180,41 +176,9 @@ def _present(root: Path, name: str) -> bool:
     return (root / name).exists()
 
 
-def _load_tokenizer(root: Path) -> Any:
-    # lazy: keeps `tokenizers` out of model imports. load_tokenizer returns needle's own
-    # Tokenizer for a native tokenizer.json and an HF wrapper (with chat template) otherwise.
-    from needle.tokenizer import load_tokenizer
-
-    return load_tokenizer(root)
-
-
-def import_hf_model(spec: str | Path, *, max_len: int | None = None) -> LoadedModel:
-    """Import a Hugging Face model (directory or ``hf:`` id): params, config, tokenizer, base meta."""
-    from needle.model.hf import hf_config_to_model_config, resolve_model_source
-    from needle.model.hf_weights import checkpoint_n_params, load_hf_params
-
-    src = resolve_model_source(spec)
-    cfg = hf_config_to_model_config(src.path / CONFIG_FILE, max_len=max_len)
-    if not (src.path / TOKENIZER_FILE).is_file():
-        raise ModelImportError(f"{src.path}: no {TOKENIZER_FILE}: needle needs the model's own tokenizer")
-    tokenizer = _load_tokenizer(src.path)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelImportError(
-            f"{src.path}: {TOKENIZER_FILE} has {tokenizer.vocab_size} tokens but the embedding only "
-            f"{cfg.vocab_size} rows (config.json vocab_size): tokenizer and weights do not belong together"
-        )
-    params = load_hf_params(src.path, cfg)
-    base = {**src.as_meta(), "arch": cfg.arch, "n_params": checkpoint_n_params(cfg)}
-    return LoadedModel(params=params, model_cfg=cfg, tokenizer=tokenizer, meta={"base": base})
-
-
 def gguf_model_dir(path: str | Path, cache_root: str | Path) -> Path:
     """``path`` imported once and saved as a needle model directory under ``cache_root``, keyed by the
     file's content (what ``needle serve FILE.gguf`` wraps; a second start reuses it)."""
-    import hashlib
-
-    from needle.model.gguf.importer import import_gguf_model  # the optional GGUF reader, as load_model does
-
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 24), b""):

@@ -1,10 +1,9 @@
 """The exported model directory's layout and what every reader and writer of it shares.
 
-The lowest model-file layer: file names, :class:`LoadedModel`, the abstract params of a config,
-the atomic swap into place and the LoRA adapter file. needle/model/io.py (save and load, and
-the dispatch to the Hugging Face and Needle 3 importers), needle/model/hf_weights.py,
-needle/model/hf_export.py and needle/model/adapter.py import these from here; io and adapter
-re-export them, so ``from needle.model.io import LoadedModel`` keeps working.
+The lowest model-file layer (it imports no other model module): file names, the atomic swap
+into place and the LoRA adapter file. needle/model/io.py (save and load, and the dispatch to the
+Hugging Face, Needle 3 and GGUF importers) and every family's importer and exporter import these
+from here. ``LoadedModel`` and ``abstract_params`` are needle/model/factory.py's.
 
 Layout of a model directory::
 
@@ -20,19 +19,13 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from needle.config import ModelConfig
 from needle.errors import ModelImportError
-from needle.model.factory import module_for
-from needle.model.lora import Params
 
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
@@ -42,27 +35,10 @@ META_FILE = "meta.json"
 REQUIRED = (PARAMS_DIR, CONFIG_FILE, TOKENIZER_FILE, META_FILE)
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    """An exported model read back: params (jax arrays), its config, tokenizer and metadata."""
-
-    params: Params
-    model_cfg: ModelConfig
-    tokenizer: Any
-    meta: dict[str, Any]
-
-
-def abstract_params(cfg: ModelConfig) -> Params:
-    """Shapes and dtypes of a LoRA-free model's params, without computing any."""
-    model = module_for(cfg)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
-
-
 ADAPTER_FILE = "adapter.safetensors"
 
 
-def save_adapter(lora_params: Params, model_dir: str | Path) -> Path:
+def save_adapter(lora_params: dict[str, Any], model_dir: str | Path) -> Path:
     """Write the adapter leaves of ``lora_params`` (other leaves are ignored) as safetensors."""
     from safetensors.numpy import save_file
 
@@ -75,7 +51,7 @@ def save_adapter(lora_params: Params, model_dir: str | Path) -> Path:
     return path
 
 
-def load_adapter(model_dir: str | Path) -> Params:
+def load_adapter(model_dir: str | Path) -> dict[str, Any]:
     """The adapter leaves saved by :func:`save_adapter`, as a nested params tree."""
     from safetensors.numpy import load_file
 

@@ -62,13 +62,14 @@ from needle.config import EvalConfig
 from needle.data.chat import format_for
 from needle.data.render import encode_prompts
 from needle.data.schema import Row, parse_row
+from needle.data.turns import conversation_prompt
+from needle.eval.constrain import Constraints, ToolSchemaError, UnsupportedFormat
 from needle.eval.decode import generate_detailed, prompt_budget
 from needle.eval.reply import read_reply
-from needle.model.io import LoadedModel
-from needle.model.factory import module_for
+from needle.model.factory import LoadedModel, module_for
 from needle.serve.dialects import normalise_tools
 from needle.serve.prefix_cache import PrefixCache
-from needle.serve.prompt import Answer, Request, conversation_prompt, conversation_row
+from needle.serve.prompt import Answer, Request, conversation_row
 
 Prediction = list[dict[str, Any]] | dict[str, Any]
 PREFIX_CACHE_ENV = "NEEDLE_PREFIX_CACHE_MB"  # `needle serve --prefix-cache-mb` sets it for the pyfunc it loads
@@ -131,8 +132,6 @@ class Predictor:
     def constraints(self) -> Any:
         """The model's ``Constraints`` (built once), or None when its format has no grammar."""
         if self._constraints is None and self._constraints_error is None:
-            from needle.eval.constrain import Constraints, UnsupportedFormat
-
             try:
                 self._constraints = Constraints.for_tokenizer(self.tok, self.fmt)
             except UnsupportedFormat as exc:
@@ -147,8 +146,6 @@ class Predictor:
                          on_token: Callable[[int, int], None] | None = None) -> list[Answer]:
         """:meth:`predict`'s predictions with their token counts (module doc); ``on_token(i, id)``
         hears each token of request ``i`` as it is decoded (streaming)."""
-        from needle.eval.constrain import ToolSchemaError
-
         out: list[Answer] = [Answer(error("not decoded"))] * len(requests)
         rows: list[tuple[int, Request, list[int] | Row, Any]] = []
         cons = self.constraints() if constrained else None

@@ -46,8 +46,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from needle.errors import UsageError
-from needle.serve.requests import ParamError
-from needle.serve.requests import chat_error as _error
+from needle.serve.pyfunc import save_pyfunc
+from needle.serve.requests import ParamError, chat_error as _error
 from needle.serve.stream import include_usage, live
 
 CHAT_ROUTE = "/v1/chat/completions"
@@ -77,7 +77,6 @@ def load_pyfunc(location: str, work_dir: str | Path) -> Any:
         if not (path / "config.json").is_file():
             raise UsageError(f"{location}: neither an MLflow model (no MLmodel) nor a needle model directory "
                              "(no config.json)")  # fmt: skip
-        from needle.serve.pyfunc import save_pyfunc
 
         path = save_pyfunc(path, Path(work_dir) / "pyfunc")
         location = str(path)

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from needle.config import EvalConfig
+from needle.data.bounds import loads_bounded
+from needle.data.load import read_rows
 from needle.data.render import compact_json
-from needle.data.schema import loads_bounded
 from needle.errors import NeedleError
 from needle.eval.evaluate import evaluate_model, resolve_model
 from needle.eval.report import format_table, side_by_side, write_report
-from needle.model.io import LoadedModel
+from needle.model.factory import LoadedModel
 from needle.registry import is_registry_uri
 from needle.serve.engine import Prediction, Predictor, checked_tools
 from needle.serve.pyfunc import local_model_dir
@@ -99,8 +100,6 @@ def run_evaluate_cli(model_dir: str, data_source: str, out_dir: str | None, max_
     ``<model_dir>/../eval`` (``./eval`` for a registry URI). Returns 2 (reason on stderr) on bad data or
     a missing or mismatched model.
     """
-    from needle.data.load import read_rows
-
     try:
         rows, _ = read_rows(data_source, on_error="fail")
         local_dir = local_model_dir(model_dir)

@@ -29,6 +29,9 @@ from typing import Any
 
 import needle
 
+from needle.registry import resolve_model_dir
+from needle.serve.requests import PROTOCOL_KEYS
+
 CODE_FILE = Path(__file__).with_name("pyfunc_model.py")
 ARTIFACT = "model"
 # What the model's code imports, pinned to this environment's versions.
@@ -64,8 +67,6 @@ def signature() -> Any:
     ``content``, ``error``); param ``constrained``. The chat shape bypasses it (``needle.serve.requests``)."""
     from mlflow.models.signature import ModelSignature
     from mlflow.types.schema import AnyType, Array, ColSpec, ParamSchema, ParamSpec, Schema
-
-    from needle.serve.requests import PROTOCOL_KEYS
 
     # ``messages`` (a conversation: its messages carry tool_calls, tool results, null contents) and
     # ``tools`` (a JSON string in the table shape, a list in the chat shape) are AnyType; the chat
@@ -149,6 +150,4 @@ def weights_dir(directory: str | Path) -> Path:
 
 def local_model_dir(location: str) -> str:
     """A local needle model directory for a directory or ``models:/`` URI (pyfunc versions included)."""
-    from needle.registry import resolve_model_dir
-
     return str(weights_dir(resolve_model_dir(location)))

@@ -15,14 +15,15 @@ import mlflow.pyfunc
 import pandas as pd
 from mlflow.models import set_model
 
+from needle.model.io import load_model
+from needle.serve.engine import Predictor
+from needle.serve.requests import answer
+
 
 class NeedleToolCaller(mlflow.pyfunc.PythonModel):
     """Tool calls for queries (table shape) or an OpenAI-style chat request."""
 
     def load_context(self, context: Any) -> None:
-        from needle.model.io import load_model
-        from needle.serve.engine import Predictor
-
         self.predictor = Predictor(load_model(context.artifacts["model"]))
         self.name = str(self.predictor.loaded.meta.get("name") or "needle")
 
@@ -33,8 +34,6 @@ class NeedleToolCaller(mlflow.pyfunc.PythonModel):
         signature (needle.serve.pyfunc.signature) stays the one that validates requests, and the
         input reaches ``answer`` as MLflow passes it (a dict too, called directly).
         """
-        from needle.serve.requests import answer
-
         return answer(self.predictor, model_input, params or {}, model_name=self.name)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from needle.eval.reply import _ENDS, read_reply
 from needle.serve.requests import ParamError, chat_answer, chat_error, stop_strings
-from needle.tokenizer_base import CALL
+from needle.tokenizers.base import CALL
 
 _PIECE = re.compile(r"\s*\S+|\s+")  # a word with the spaces before it
 ARGS_PIECE = 16  # characters of a call's arguments per delta

@@ -34,15 +34,16 @@ from needle.data.prepare import PreparedData
 from needle.errors import NonFiniteLossError
 from needle.hardware import BackendSettings, enable_compilation_cache, settings_for, with_overrides
 from needle.model import lora as lora_lib
-from needle.model.io import TOKENIZER_FILES, LoadedModel, load_model, save_model
-from needle.model.factory import module_for
+from needle.model.factory import LoadedModel, module_for
+from needle.model.io import load_model, save_model
+from needle.model.layout import TOKENIZER_FILES
 from needle.model.scan import layer_period, stack_layers, unstack_layers
 from needle.model.transformer import Transformer
-from needle.tokenizer import Tokenizer
-from needle.tracking import NoopTracker, Tracker
+from needle.tokenizers.native import Tokenizer
+from needle.tracking.tracker import NoopTracker, Tracker
 from needle.train.checkpoint import Checkpointer, build_meta
-from needle.train.loop import TrainResult, checkpoint_hook, metrics_hook, train
 from needle.train.distributed import is_primary
+from needle.train.loop import TrainResult, checkpoint_hook, metrics_hook, train
 from needle.train.sharding import data_size, fetch, make_mesh
 from needle.train.step import ApplyFn, TrainState, create_state
 

@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from needle.config import ClusterConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
+from needle.data.prepare import load_cached
 from needle.errors import NeedleError
+from needle.train.distributed import ProcessGroup, free_port, initialize, is_primary
+from needle.train.finetune import run_training
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +57,11 @@ class _Worker:
         """host:port for the group's coordination service, on this (worker 0's) node."""
         import ray
 
-        from needle.train.distributed import free_port
-
         host = host or ray.util.get_node_ip_address()
         return f"{host}:{free_port(host)}"
 
     def train(self, spec: TrainSpec, coordinator: str, workers: int, rank: int) -> Any:
         """Join the group and run ``run_training``; the result (worker 0) or None."""
-        from needle.data.prepare import load_cached
-        from needle.train.distributed import ProcessGroup, initialize, is_primary
-        from needle.train.finetune import run_training
-
         if rank == 0:  # worker 0's progress reaches the driver's console (Ray forwards actor output)
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))

@@ -34,6 +34,8 @@ import optax
 from flax import struct
 
 from needle.config import OptimConfig
+from needle.hardware import settings_for
+from needle.model import lora as lora_lib
 from needle.train.loss import dense_loss_sum, model_loss_sum
 
 PyTree = Any
@@ -150,8 +152,6 @@ def _loss_sum(apply_fn: ApplyFn, trainable: PyTree, frozen: PyTree, batch: Batch
     """Sum of masked token cross-entropies (float32) and the number of loss tokens."""
     chunk = loss_chunk_of(apply_fn)
     if chunk:
-        from needle.model import lora as lora_lib
-
         variables = {"params": lora_lib.combine(trainable, frozen)}
         return model_loss_sum(apply_fn.model, variables, batch, chunk)  # type: ignore[attr-defined]
     if "segment_ids" in batch:  # packed rows: RoPE positions restart per row, attention stays within it
@@ -168,8 +168,6 @@ def loss_chunk_of(apply_fn: ApplyFn) -> int:
         return 0
     settings = getattr(model, "settings", None)
     if settings is None:
-        from needle.hardware import settings_for
-
         settings = settings_for("cpu")
     return int(getattr(settings, "loss_chunk", 0) or 0)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from needle.tokenizer import Tokenizer
+from needle.tokenizers.native import Tokenizer
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def data_tokenizer() -> Tokenizer:
     from needle.data.prepare import collect_texts
     from needle.data.schema import parse_row
     from needle.data.sample import generate_rows
-    from needle.tokenizer import train_tokenizer
+    from needle.tokenizers.native import train_tokenizer
 
     rows = [parse_row(r, f"gen:{i}") for i, r in enumerate(generate_rows(60, "base", seed=1))]
     return train_tokenizer(collect_texts(rows), vocab_size=400)

@@ -3,7 +3,7 @@
 Runs in the side virtualenv that has ``cactus-needle[train]==3.2.8`` and ``sentencepiece``
 (its package is also called ``needle``, so this script imports nothing from this repository):
 
-    V=$(.venv/bin/python -c 'from needle.model.cactus_env import ensure_cactus_env as e; print(e())')
+    V=$(.venv/bin/python -c 'from needle.model.needle3.cactus_env import ensure_cactus_env as e; print(e())')
     $V -I tests/data/make_needle3_format_fixtures.py
 
 The published Needle 3 ``tokenizer.model`` lives on the hub, which is unreachable here, so this

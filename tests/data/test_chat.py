@@ -17,10 +17,10 @@ import pytest
 from chat_helpers import FAMILIES, GOLDEN, ROWS, TEMPLATE_KWARGS, raw_tokenizer, template, write_hf_dir
 
 from needle.data.chat import ChatTemplateError, JinjaChatFormat, format_for
-from needle.data.render import ChatFormat, NativeFormat, TEMPLATE
+from needle.data.render import TEMPLATE, ChatFormat, NativeFormat
 from needle.data.schema import Row, parse_row
-from needle.hf_tokenizer import HFTokenizer
-from needle.tokenizer import load_tokenizer
+from needle.tokenizers.hf import HFTokenizer
+from needle.tokenizers.load import load_tokenizer
 
 CASES = [(f, r) for f in FAMILIES for r in ROWS]
 

@@ -113,7 +113,7 @@ def test_conversation_rendering_equals_transformers(family: str) -> None:
 def hf_toks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from chat_helpers import write_hf_dir
 
-    from needle.tokenizer import load_tokenizer
+    from needle.tokenizers.load import load_tokenizer
 
     root = tmp_path_factory.mktemp("hf")
     return {family: load_tokenizer(write_hf_dir(root / family, family)) for family in FAMILIES}

@@ -10,7 +10,8 @@ from test_conversation import GOOD, WEATHER
 
 from needle.data.needle3_format import Needle3Format, conversation_segments
 from needle.data.schema import parse_row
-from needle.needle3_tokenizer import SP_MODEL_FILE, Needle3Tokenizer
+from needle.tokenizers.base import SP_MODEL_FILE
+from needle.tokenizers.needle3 import Needle3Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "needle3_format"
 

@@ -17,13 +17,16 @@ import jsonschema
 import numpy as np
 import pytest
 
-from needle.data.needle3_format import FORMAT_ID, Needle3Format, parse_needle3, render_example
+from needle.data.chat import format_for
+from needle.data.needle3_format import FORMAT_ID, Needle3Format, render_example
+from needle.data.parse import parse_needle3, parser_for
 from needle.data.render import NativeFormat, encode_prompts
 from needle.data.schema import Row, parse_row
-from needle.eval.parse import parser_for
-from needle.needle3_tokenizer import MARKERS, SP_MODEL_FILE, Needle3Tokenizer
-from needle.serve.constrain import CLOSE_RESERVE, BatchMasks, Constraints, arguments_schema, grammar_for
-from needle.tokenizer import TokenizerLike, load_tokenizer
+from needle.eval.constrain import CLOSE_RESERVE, BatchMasks, Constraints, arguments_schema, grammar_for
+from needle.tokenizers.base import SP_MODEL_FILE, TokenizerLike
+from needle.tokenizers.load import load_tokenizer
+from needle.tokenizers.markers import MARKERS
+from needle.tokenizers.needle3 import Needle3Tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "needle3_format"
 CASES = json.loads((FIXTURES / "cases.json").read_text(encoding="utf-8"))
@@ -70,7 +73,7 @@ def test_every_marker_has_its_fixed_id_and_the_turn_end_stops(tok: Needle3Tokeni
     assert tok.decode([10, 10_000]) == "<tool_call>"  # ids past the vocabulary (a padded head) are dropped
     with pytest.raises(KeyError):
         tok.token_id("<not a piece>")
-    assert tok.chat_template is None and isinstance(tok.chat_format(), Needle3Format)
+    assert tok.chat_template is None and isinstance(format_for(tok), Needle3Format)
 
 
 def test_save_writes_the_model_file_and_load_tokenizer_finds_it(tok: Needle3Tokenizer, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from needle.config import DataConfig
 from needle.data import load
 from needle.data.load import ROW_FEATURES, load_source, row_to_record
 from needle.data.prepare import FEATURES, PreparedData, compute_fingerprint, prepare_rows
-from needle.tokenizer import Tokenizer
+from needle.tokenizers.native import Tokenizer
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 HEAD = 150  # rows taken from the big samples (base: 12,000, new: 4,600): loading them whole takes seconds

@@ -12,7 +12,7 @@ from needle.config import DataConfig
 from needle.data.prepare import PreparedData, collect_texts, prepare_dataset, split_indices
 from needle.data.schema import parse_row
 from needle.errors import DataError
-from needle.tokenizer import Tokenizer, train_tokenizer
+from needle.tokenizers.native import Tokenizer, train_tokenizer
 
 
 def _rows(n: int) -> list[dict]:

@@ -6,7 +6,7 @@ from data_helpers import good_row
 
 from needle.data.render import DEFAULT_SYSTEM, encode_example, format_calls, render_prompt, render_target
 from needle.data.schema import parse_row
-from needle.tokenizer import Tokenizer
+from needle.tokenizers.native import Tokenizer
 
 
 def test_template_text_is_exact() -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from needle.data.load import validate_source
-from needle.data.sample import BASE_TOOLS, CATALOGUE, NEW_TOOLS, generate_rows, write_sample
+from needle.data.sample import generate_rows, write_sample
+from needle.data.sample_tools import BASE_TOOLS, CATALOGUE, NEW_TOOLS
 
 BUNDLED = Path(__file__).resolve().parents[2] / "data" / "sample"
 

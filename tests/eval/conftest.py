@@ -22,7 +22,7 @@ def eval_rows(sample_data: dict[str, Path]) -> list[Row]:
 @pytest.fixture(scope="session")
 def eval_tokenizer(eval_rows: list[Row]):
     from needle.data.render import render_text
-    from needle.tokenizer import train_tokenizer
+    from needle.tokenizers.native import train_tokenizer
 
     return train_tokenizer([render_text(r) for r in eval_rows], VOCAB)
 

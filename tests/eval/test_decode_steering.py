@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from needle.eval.constrain import CLOSE_RESERVE
-from needle.serve.pyfunc import EXAMPLE_TOOLS
 from needle.serve.prompt import Request
+from needle.serve.pyfunc import EXAMPLE_TOOLS
 
 MESSAGES = [{"role": "user", "content": "Text Bob that dinner is at 8"}]
 
@@ -26,7 +26,8 @@ def predictor(tiny_model_dir: Path):
 def _ids(predictor, mode: str, budget: int | None) -> list[int]:
     """The ids one constrained decode of MESSAGES writes in ``mode`` with ``budget``."""
     from needle.eval.decode import generate_detailed
-    from needle.serve.prompt import conversation_prompt, conversation_row
+    from needle.data.turns import conversation_prompt
+    from needle.serve.prompt import conversation_row
 
     prompt = conversation_prompt(predictor.fmt, conversation_row(MESSAGES, EXAMPLE_TOOLS), predictor.tok)
     cons = predictor.constraints()

@@ -17,13 +17,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import needle.eval.evaluate as evaluate_mod
 import needle.serve.predict as predict_mod
+
 from needle.config import EvalConfig, model_preset
 from needle.data.chat import JinjaChatFormat, format_for
 from needle.data.schema import Row
 from needle.eval.decode import Generation
-from needle.model.io import LoadedModel
+from needle.model.factory import LoadedModel
 from needle.model.lora import init_params
-from needle.tokenizer import load_tokenizer
+from needle.tokenizers.load import load_tokenizer
 
 QWEN_TEMPLATE = Path(__file__).parents[2] / "needle" / "data" / "templates" / "qwen3.jinja"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]

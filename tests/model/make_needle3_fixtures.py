@@ -4,7 +4,7 @@ Runs ONLY in a side virtualenv that has ``cactus-needle[train]==3.2.8`` installe
 package is also called ``needle``, so this script imports nothing from this repository and must
 be run isolated, from any directory)::
 
-    V=$(.venv/bin/python -c 'from needle.model.cactus_env import ensure_cactus_env as e; print(e())')
+    V=$(.venv/bin/python -c 'from needle.model.needle3.cactus_env import ensure_cactus_env as e; print(e())')
     JAX_PLATFORMS=cpu $V -I tests/model/make_needle3_fixtures.py
 
 For each tiny config in CONFIGS it writes into tests/fixtures/needle3/:

@@ -31,7 +31,7 @@ def good_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from needle.config import model_preset
     from needle.model.gguf.writer import write_gguf
     from needle.model.lora import init_params
-    from needle.tokenizer import train_tokenizer
+    from needle.tokenizers.native import train_tokenizer
 
     tok = train_tokenizer(["call the weather tool for Paris please"] * 4, vocab_size=300)
     cfg = model_preset("tiny").model_copy(update={"vocab_size": 300})

@@ -91,7 +91,7 @@ def test_predict_takes_the_exported_file(exported: Path, tmp_path: Path, capsys:
 def test_training_on_a_gguf_base_exports_gguf_again(exported: Path, tmp_path: Path, sample_data: dict[str, Path]) -> None:
     """`needle train --base FILE.gguf` trains, and the run's exports (as the flow logs them) include GGUF."""
     from needle.cli import main
-    from needle.model.adapter import export_run_model
+    from needle.model.export import export_run_model
     from needle.model.io import load_model
 
     base = exported / "model.gguf"

@@ -22,9 +22,9 @@ from safetensors import safe_open
 from needle.config import LoraConfig, model_preset
 from needle.errors import ModelImportError, NeedleError
 from needle.eval.decode import generate
-from needle.model.hf import hf_config_to_model_config, is_hf_model_dir, resolve_model_source
-from needle.model.hf_export import export_hf, export_peft, model_config_to_hf_config
-from needle.model.hf_weights import hf_key_map, load_hf_params
+from needle.model.hf.config import hf_config_to_model_config, is_hf_model_dir, resolve_model_source
+from needle.model.hf.export import export_hf, export_peft, model_config_to_hf_config
+from needle.model.hf.weights import hf_key_map, load_hf_params
 from needle.model.io import load_model, save_model
 from needle.model.lora import attach_base, init_params, merge_lora
 from needle.model.transformer import Transformer

@@ -19,9 +19,9 @@ from make_hf_fixtures import EXTRA_SPECS, N_NEW, SPECS, build_model, reference_g
 
 from needle.config import LoraConfig, model_preset
 from needle.eval.decode import generate
-from needle.model.hf import hf_config_to_model_config
-from needle.model.hf_export import export_hf, export_peft
-from needle.model.hf_weights import load_hf_params
+from needle.model.hf.config import hf_config_to_model_config
+from needle.model.hf.export import export_hf, export_peft
+from needle.model.hf.weights import load_hf_params
 from needle.model.lora import attach_base, init_params, merge_lora
 from needle.model.transformer import Transformer
 

@@ -12,7 +12,7 @@ from flax import traverse_util
 from needle.errors import CheckpointMismatchError
 from needle.model.io import load_model, save_model
 from needle.model.transformer import Transformer
-from needle.tokenizer import Tokenizer, train_tokenizer
+from needle.tokenizers.native import Tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")

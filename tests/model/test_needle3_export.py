@@ -4,7 +4,7 @@ A tuned Needle 3 model (random base made by ``needle sample-model --arch needle3
 a non-zero LoRA adapter) is exported; cactus-needle then loads the merged checkpoint, merges the
 exported adapter into the base with its own ``merge_lora`` and reads the ``.cact`` archive back.
 Its logits must equal needle's tuned logits in plain and deploy numerics. The side virtualenv is
-built with pip on first use (needle/model/cactus_env.py), so this needs the package registry once.
+built with pip on first use (needle/model/needle3/cactus_env.py), so this needs the package registry once.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from needle.data.sample import generate_rows, write_rows
 from needle.model import lora as lora_lib
 from needle.model.factory import module_for
 from needle.model.io import load_model, save_model
-from needle.model.needle3_export import export_needle
-from needle.model.needle3_sample import write_random_needle3
+from needle.model.needle3.export import export_needle
+from needle.model.needle3.sample import write_random_needle3
 
 pytestmark = pytest.mark.slow
 ROUNDTRIP = Path(__file__).with_name("cactus_roundtrip.py")
@@ -59,7 +59,7 @@ def test_export_writes_needle_files(tuned: dict[str, Path]) -> None:
 
 
 def test_cactus_needle_reads_the_export_and_computes_needles_logits(tuned: dict[str, Path]) -> None:
-    from needle.model.cactus_env import run_in_cactus_env
+    from needle.model.needle3.cactus_env import run_in_cactus_env
 
     loaded = load_model(tuned["model"])
     ids = np.asarray([loaded.tokenizer.encode("<|im_start|>user\nsend a text to Bo<|im_end|>\n<tool_call>[")], np.int32)
@@ -84,7 +84,7 @@ def test_cactus_needle_reads_the_export_and_computes_needles_logits(tuned: dict[
 
 def test_export_refuses_a_model_of_another_family(tmp_path: Path) -> None:
     from needle.errors import ModelImportError
-    from needle.model.hf_sample import write_random_hf_model
+    from needle.model.hf.sample import write_random_hf_model
 
     hf_dir = write_random_hf_model(tmp_path / "qwen", "qwen3", vocab_size=512)
     with pytest.raises(ModelImportError, match="Needle 3 models only"):

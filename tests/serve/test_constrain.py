@@ -7,13 +7,13 @@ import json
 import jsonschema
 import pytest
 
+from needle.data.parse import parse_calls
 from needle.data.render import NativeFormat, render_prompt
 from needle.data.schema import Row
+from needle.eval.constrain import Constraints, ToolSchemaError, arguments_schema, grammar_for
 from needle.eval.decode import generate_detailed
-from needle.eval.parse import parse_calls
 from needle.model.io import load_model
 from needle.model.transformer import Transformer
-from needle.serve.constrain import Constraints, ToolSchemaError, arguments_schema, grammar_for
 
 ENUM_TOOLS = [
     {"name": "set_mode", "description": "Set a mode",

@@ -69,7 +69,8 @@ MESSAGES = [{"role": "user", "content": "remind me to ping the server"}]
 
 
 def test_a_requests_max_tokens_is_its_budget_capped_by_the_context(predictor: Predictor) -> None:
-    from needle.serve.prompt import conversation_prompt, conversation_row
+    from needle.data.turns import conversation_prompt
+    from needle.serve.prompt import conversation_row
 
     prompt = len(conversation_prompt(predictor.fmt, conversation_row(MESSAGES, TOOLS), predictor.tok))
     max_len = predictor.model.cfg.max_len

@@ -13,11 +13,12 @@ import pytest
 
 from needle.data.render import NativeFormat, conversation_segments, encode_prompts
 from needle.data.schema import Row, parse_row
+from needle.data.turns import conversation_prompt
 from needle.eval.constrain import arguments_schema
 from needle.eval.reply import read_reply
 from needle.model.io import load_model
 from needle.serve.engine import Predictor
-from needle.serve.prompt import Request, conversation_prompt, conversation_row
+from needle.serve.prompt import Request, conversation_row
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
@@ -130,13 +131,14 @@ def _family(name: str, root: Path) -> tuple[Any, Any]:
     """(tokenizer, format) of a chat family (a tiny HF tokenizer with its template) or Needle 3's."""
     if name == "needle3":
         from needle.data.needle3_format import Needle3Format
-        from needle.needle3_tokenizer import SP_MODEL_FILE, Needle3Tokenizer
+        from needle.tokenizers.base import SP_MODEL_FILE
+        from needle.tokenizers.needle3 import Needle3Tokenizer
 
         return Needle3Tokenizer.load(Path(__file__).parents[1] / "fixtures" / "needle3_format" / SP_MODEL_FILE), \
             Needle3Format()  # fmt: skip
     from needle.data.chat import format_for
-    from needle.model.hf_sample import FAMILIES, family_template, train_family_tokenizer
-    from needle.tokenizer import load_tokenizer
+    from needle.model.hf.sample import FAMILIES, family_template, train_family_tokenizer
+    from needle.tokenizers.load import load_tokenizer
 
     raw = train_family_tokenizer(FAMILY_ROWS, name, 400)
     raw.save(str(root / "tokenizer.json"))

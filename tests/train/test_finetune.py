@@ -20,7 +20,7 @@ from train_helpers import LORA, finetune_configs, scratch_reference, tiny_prepar
 from needle.config import OptimConfig
 from needle.errors import CheckpointMismatchError, NonFiniteLossError
 from needle.model.io import load_model
-from needle.tracking import MemoryTracker as RecordingTracker
+from needle.tracking.tracker import MemoryTracker as RecordingTracker
 from needle.train.finetune import run_training
 
 WORKER = Path(__file__).with_name("train_worker.py")

@@ -16,7 +16,7 @@ from needle.data.batching import BatchPlan, PackedPlan
 from needle.data.prepare import PreparedData
 from needle.model import lora as lora_lib
 from needle.model.transformer import Transformer
-from needle.tokenizer import Tokenizer, train_tokenizer
+from needle.tokenizers.native import Tokenizer, train_tokenizer
 from needle.train.finetune import make_apply_fn
 from needle.train.step import TrainState, create_state
 

@@ -2,7 +2,7 @@
 
 Import maps ``{arch}.*`` hyper-parameters (llama.cpp's keys) onto the ``config.json`` keys the
 same family's Hugging Face checkpoint has and hands that dict to
-:func:`needle.model.hf.hf_config_to_model_config`, so a GGUF model gets exactly the switches an
+:func:`needle.model.hf.config.hf_config_to_model_config`, so a GGUF model gets exactly the switches an
 HF import of the same model gets (and keeps the dict in ``hf_config``, so ``needle export
 --format hf`` of a GGUF import works too). Export writes the keys back from a ``ModelConfig``.
 
@@ -25,6 +25,9 @@ import numpy as np
 from needle.config import ModelConfig
 from needle.errors import ModelImportError
 from needle.model.gguf.reader import GGUFFile
+from needle.model.hf.config import hf_config_to_model_config
+from needle.model.hf.export import model_config_to_hf_config
+from needle.model.transformer import rope_inv_freq
 
 # general.architecture -> Hugging Face model_type, and back.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -115,8 +118,6 @@ def gguf_to_hf_config(f: GGUFFile) -> dict[str, Any]:
 
 def llama3_factors(cfg: ModelConfig) -> np.ndarray | None:
     """llama.cpp's ``rope_freqs.weight`` of a ``llama3``-scaled config: each frequency's divisor."""
-    from needle.model.transformer import rope_inv_freq
-
     if cfg.rope_scaling is None or cfg.rope_scaling.type != "llama3":
         return None
     plain = rope_inv_freq(cfg.model_copy(update={"rope_scaling": None, "arch": "llama"}))
@@ -127,8 +128,6 @@ def _llama3_from_factors(f: GGUFFile, hf: dict[str, Any], original: int) -> dict
     """The ``llama3`` scaling whose divisors are the file's ``rope_freqs.weight`` (Llama 3.x's converter
     writes them instead of the parameters): the largest divisor is the factor; low/high 1 and 4 and the
     original context as every Llama 3.x has them, checked against the tensor."""
-    from needle.model.hf import hf_config_to_model_config
-
     factors = f.tensor("rope_freqs.weight")
     scaling = {"rope_type": "llama3", "factor": round(float(factors.max()), 4), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": original}  # fmt: skip
@@ -156,7 +155,6 @@ def gguf_metadata(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
     if cfg.arch not in HF_TO_GGUF:
         raise ModelImportError(f"a {cfg.arch} model cannot be written as GGUF; needle writes {', '.join(HF_TO_GGUF)}")
     if cfg.arch == "needle":  # needle's own architecture must be exactly a Llama (same check as the HF export)
-        from needle.model.hf_export import model_config_to_hf_config
 
         model_config_to_hf_config(cfg)
     arch = HF_TO_GGUF[cfg.arch]

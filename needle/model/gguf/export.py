@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from needle.model.gguf.writer import TYPES, GGUFType
+from needle.config import LoraConfig
+from needle.errors import ModelImportError
+from needle.model.gguf.writer import TYPES, GGUFType, write_gguf, write_gguf_lora
+from needle.model.io import load_model
+from needle.model.layout import ADAPTER_FILE as NEEDLE_ADAPTER, load_adapter
 
 MODEL_FILE, ADAPTER_FILE = "model.gguf", "adapter.gguf"
 
@@ -30,13 +34,6 @@ def _targets(out: str | Path) -> tuple[Path, Path]:
 
 def export_gguf(model_dir: str | Path, out: str | Path, type_: GGUFType = "f16") -> list[Path]:
     """Write ``model_dir`` (any model ``load_model`` reads) as GGUF; return the files written."""
-    from needle.config import LoraConfig
-    from needle.errors import ModelImportError
-    from needle.model.gguf.writer import write_gguf, write_gguf_lora
-    from needle.model.io import load_model
-    from needle.model.layout import ADAPTER_FILE as NEEDLE_ADAPTER
-    from needle.model.layout import load_adapter
-
     if type_ not in TYPES:
         raise ModelImportError(f"--type {type_}: choose one of {', '.join(TYPES)}")
     loaded = load_model(model_dir)

@@ -17,7 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from needle.errors import ModelImportError
-from needle.model.layout import LoadedModel
+from needle.model.factory import LoadedModel
+from needle.model.gguf.config import gguf_to_hf_config
+from needle.model.gguf.reader import read_gguf
+from needle.model.gguf.tensors import check_tensors, load_gguf_params
+from needle.model.gguf.tokenizer import gguf_tokenizer
+from needle.model.hf.config import hf_config_to_model_config
+from needle.model.hf.weights import checkpoint_n_params
 
 # general.file_type (llama.cpp's LlamaFileType) of the common files, for the run record.
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -26,13 +32,6 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 
 def import_gguf_model(path: str | Path, *, max_len: int | None = None) -> LoadedModel:
     """Read ``path`` (a GGUF model file) into params, ``ModelConfig``, tokenizer and ``meta["base"]``."""
-    from needle.model.gguf.config import gguf_to_hf_config
-    from needle.model.gguf.reader import read_gguf
-    from needle.model.gguf.tensors import check_tensors, load_gguf_params
-    from needle.model.gguf.tokenizer import gguf_tokenizer
-    from needle.model.hf import hf_config_to_model_config
-    from needle.model.hf_weights import checkpoint_n_params
-
     f = read_gguf(path)
     kind = f.metadata.get("general.type", "model")
     if kind != "model":

@@ -1,6 +1,6 @@
 """GGUF tensors <-> needle's parameter tree: llama.cpp's names, its q/k row order, Gemma's norms.
 
-The names come from the Hugging Face key map (needle/model/hf_weights.py: ``hf_key_map``) renamed
+The names come from the Hugging Face key map (needle/model/hf/weights.py: ``hf_key_map``) renamed
 the way llama.cpp's ``convert_hf_to_gguf.py`` renames them (``model.layers.0.self_attn.q_proj.weight``
 -> ``blk.0.attn_q.weight``). A GGUF tensor in numpy layout is the Hugging Face tensor (``[out, in]``),
 with two differences the converter makes and this module undoes (import) or redoes (export):
@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from needle.config import ModelConfig
-from needle.model.gguf.config import HF_TO_GGUF
-from needle.model.gguf.reader import GGUFFile
-from needle.model.hf_weights import KeyMap, hf_key_map
+from needle.model.gguf.config import HF_TO_GGUF, llama3_factors
+from needle.model.gguf.reader import SUPPORTED_TYPES, GGUFFile
+from needle.model.hf.weights import KeyMap, expected_shapes, hf_key_map, params_to_hf_tensors
 from needle.model.lora import Params
 
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -69,8 +69,6 @@ def _convert(name: str, w: np.ndarray, cfg: ModelConfig, undo: bool) -> np.ndarr
 
 def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     """Names and shapes against ``cfg``; every mismatch is named before any weight is read."""
-    from needle.model.hf_weights import expected_shapes
-
     keys = gguf_key_map(cfg)
     want = {gguf_name(k, cfg.post_norms): s for k, s in expected_shapes(cfg).items()}
     found = {n: t.shape for n, t in f.tensors.items() if n != "rope_freqs.weight"}
@@ -83,7 +81,6 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     if problems:
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise f.fail("tensors do not match the metadata:\n  " + "\n  ".join(problems[:10]) + more)
-    from needle.model.gguf.reader import SUPPORTED_TYPES
 
     odd = sorted({f"{t.type_name} ({n})" for n, t in f.tensors.items() if n in keys and t.type_name not in SUPPORTED_TYPES})
     if odd:
@@ -106,10 +103,6 @@ def load_gguf_params(f: GGUFFile, cfg: ModelConfig) -> Params:
 
 def params_to_gguf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Needle params -> ``{gguf name: float32 array}`` in llama.cpp's layout (the inverse of the above)."""
-    from needle.model.hf_weights import params_to_hf_tensors
-
-    from needle.model.gguf.config import llama3_factors
-
     hf = params_to_hf_tensors(params, cfg, np.float32)
     out = {(n := gguf_name(k, cfg.post_norms)): _convert(n, np.asarray(v), cfg, undo=False) for k, v in hf.items()}
     factors = llama3_factors(cfg)

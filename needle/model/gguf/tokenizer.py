@@ -21,6 +21,7 @@ from typing import Any
 from needle.data.chat import with_tool_listing
 from needle.model.gguf.reader import GGUFFile
 from needle.model.gguf.spm import CONTROL, USER_DEFINED, added_tokens, spm_tokenizer_json
+from needle.tokenizers.hf import HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,6 @@ def _tokenizer_json(tokens: list[str], merges: list[str], types: list[int], pre:
 def gguf_tokenizer(f: GGUFFile) -> Any:
     """The ``HFTokenizer`` of ``f``'s ``tokenizer.ggml.*`` metadata and chat template."""
     from tokenizers import Tokenizer as RawTokenizer
-
-    from needle.hf_tokenizer import HFTokenizer
 
     m = f.metadata
     kind = m.get("tokenizer.ggml.model")

@@ -21,6 +21,9 @@ from typing import Any, Literal
 import numpy as np
 
 from needle.config import ModelConfig
+from needle.model.gguf.config import gguf_metadata
+from needle.model.gguf.tensors import _convert, gguf_name, params_to_gguf_tensors
+from needle.model.gguf.tokenizer import tokenizer_metadata
 from needle.model.lora import Params
 
 GGUFType = Literal["f32", "f16", "bf16", "q8_0"]
@@ -81,10 +84,6 @@ def write_gguf(
     path: str | Path, params: Params, cfg: ModelConfig, tokenizer: Any, type_: GGUFType = "f16", name: str | None = None
 ) -> Path:
     """Write merged ``params`` of ``cfg`` with ``tokenizer`` as a llama.cpp model file; return its path."""
-    from needle.model.gguf.config import gguf_metadata
-    from needle.model.gguf.tensors import params_to_gguf_tensors
-    from needle.model.gguf.tokenizer import tokenizer_metadata
-
     if type_ not in TYPES:
         raise ValueError(f"unknown GGUF type {type_!r}; choose one of {', '.join(TYPES)}")
     type_name, file_type = TYPES[type_]
@@ -98,8 +97,6 @@ def write_gguf(
 def lora_tensors(lora_params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """``{blk.N.<tensor>.weight.lora_a|lora_b: float32}`` of needle's adapter leaves, in llama.cpp's layout."""
     from flax import traverse_util
-
-    from needle.model.gguf.tensors import _convert, gguf_name
 
     out = {}
     for path, leaf in traverse_util.flatten_dict(lora_params).items():
@@ -119,8 +116,6 @@ def lora_tensors(lora_params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]
 
 def write_gguf_lora(path: str | Path, lora_params: Params, cfg: ModelConfig, alpha: float, name: str | None = None) -> Path:
     """Write the LoRA leaves of ``lora_params`` as a llama.cpp LoRA adapter file (``--lora``)."""
-    from needle.model.gguf.config import gguf_metadata
-
     arch, _ = gguf_metadata(cfg)
     metadata = {"general.type": "adapter", "general.name": name or f"needle-{cfg.arch}-lora",
                 "adapter.type": "lora", "adapter.lora.alpha": float(alpha)}  # fmt: skip

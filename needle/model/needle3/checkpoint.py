@@ -28,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from needle.config import ModelConfig, Needle3Config
 from needle.errors import ModelImportError
+from needle.model.needle3.architecture import Needle3Model, check_supported
 
 FORMAT_VERSION = 2
 HEAD_KEYS = ("embedding_head", "confidence_head", "router_head")
@@ -80,9 +82,6 @@ def _sniff(path: Path) -> None:
 def _config(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
     from pydantic import ValidationError
 
-    from needle.config import Needle3Config
-    from needle.model.needle3.architecture import check_supported
-
     if metadata.get("format_version") != str(FORMAT_VERSION):
         raise _fail(path, f"not a format-v{FORMAT_VERSION} Needle 3 checkpoint "
                           f"(format_version={metadata.get('format_version')!r})")  # fmt: skip
@@ -108,8 +107,6 @@ def _config(path: Path, metadata: dict[str, str]) -> dict[str, Any]:
 
 def needle3_model_config(config: Any, max_len: int | None = None) -> Any:
     """A ``ModelConfig(arch="needle3")`` for a Needle3Config (or its dict); the generic fields mirror it."""
-    from needle.config import ModelConfig, Needle3Config
-
     n3 = config if isinstance(config, Needle3Config) else Needle3Config(**config)
     qk = n3.qk_head_dim or n3.d_model // n3.num_heads
     return ModelConfig(
@@ -130,8 +127,6 @@ def _shapes(config_json: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
     config = json.loads(config_json)
     import jax
     import jax.numpy as jnp
-
-    from needle.model.needle3.architecture import Needle3Model
 
     model = Needle3Model(needle3_model_config(config))
     tree = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])

@@ -23,6 +23,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from needle.data.needle3_format import conversation_segments, render_example
+from needle.data.sample import generate_rows
+from needle.data.schema import parse_row
+from needle.model.factory import module_for
+from needle.model.needle3.checkpoint import write_needle3_checkpoint
+from needle.model.needle3.io import model_config_of, needle3_config
+from needle.tokenizers.markers import BOS_ID, EOS_ID, MARKERS, PAD_ID, UNK_ID
+
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, d_model=64, num_heads=4, num_kv_heads=2, num_layers=2, qk_head_dim=16,
                  v_head_dim=16, max_seq_len=1024, engram_heads=1, engram_slots=64, engram_layers=(1,),
@@ -34,9 +42,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def rendered_texts(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Each row as Needle renders it (prompt + target), the text a stand-in tokenizer learns from."""
-    from needle.data.needle3_format import conversation_segments, render_example
-    from needle.data.schema import parse_row
-
     def text(row: dict[str, Any]) -> str:
         if "messages" in row:  # a conversation: its turns as Needle 3 continues them
             return "".join(t for t, _ in conversation_segments(parse_row(row, "rendered_texts")))
@@ -48,8 +53,6 @@ def rendered_texts(rows: Iterable[dict[str, Any]]) -> list[str]:
 def train_sp_model(texts: list[str], vocab_size: int) -> bytes:
     """A SentencePiece BPE with Needle's fixed ids (pad 0, eos 1, bos 2, unk 3, markers from 4)."""
     import sentencepiece as spm
-
-    from needle.needle3_tokenizer import BOS_ID, EOS_ID, MARKERS, PAD_ID, UNK_ID
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -68,11 +71,6 @@ def write_random_needle3(out_dir: str | Path, *, data: str | Path | None = None,
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from needle.data.sample import generate_rows
-    from needle.model.factory import module_for
-    from needle.model.needle3.checkpoint import write_needle3_checkpoint
-    from needle.model.needle3_io import model_config_of, needle3_config
 
     keys = SHAPES[shape] if isinstance(shape, str) else shape
     n3 = needle3_config(dict(keys), f"shape {shape!r}")

@@ -5,7 +5,7 @@ Reads what ``transformers``' ``save_pretrained`` writes, without importing trans
 template in older layouts), ``chat_template.jinja`` (where transformers 5 writes the template)
 and, when present, ``generation_config.json`` (its ``eos_token_id`` adds stop ids).
 
-    tok = HFTokenizer.load("models/qwen3")        # or needle.tokenizer.load_tokenizer(dir)
+    tok = HFTokenizer.load("models/qwen3")        # or needle.tokenizers.load.load_tokenizer(dir)
     tok.stop_ids        # e.g. (<|im_end|>, <|endoftext|>) for Qwen3
     tok.save("out/")    # tokenizer.json, tokenizer_config.json, chat_template.jinja
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
-from needle.tokenizer_base import TOKENIZER_FILE, RawTokenIds
+from needle.tokenizers.base import TOKENIZER_FILE, RawTokenIds
 
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"

@@ -3,7 +3,7 @@
 ``Tokenizer`` is needle's tokenizer: a byte-level BPE trained on the data (HF ``tokenizers``),
 whose special tokens (``SPECIAL_TOKENS``) always take ids 0..8 in the documented order; every
 UTF-8 string encodes without unknown tokens and decodes back byte for byte.
-``HFTokenizer`` (needle/hf_tokenizer.py) wraps a pretrained model's ``tokenizer.json`` with its
+``HFTokenizer`` (needle/tokenizers/hf.py) wraps a pretrained model's ``tokenizer.json`` with its
 ``tokenizer_config.json`` and chat template. Both satisfy :class:`TokenizerLike`;
 ``load_tokenizer(dir)`` picks the right one from what is on disk.
 
@@ -23,11 +23,7 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-# The shared layer, re-exported: ``from needle.tokenizer import TOKENIZER_FILE`` keeps working.
-from needle.tokenizer_base import (  # noqa: F401
-    ASSISTANT, BOS, CALL, END, PAD, SP_MODEL_FILE, SPECIAL_TOKENS, SYSTEM, THINK, TOKENIZER_FILE, TOOLS, USER,
-    RawTokenIds, TokenizerLike,
-)  # fmt: skip
+from needle.tokenizers.base import BOS, END, PAD, SPECIAL_TOKENS, TOKENIZER_FILE, RawTokenIds
 
 # A word with the punctuation that follows it, a single digit, a punctuation run, or whitespace.
 # Digits stay single tokens: a small model copies "K33026" or "472.18" from the query into the
@@ -145,40 +141,3 @@ def native_specials_problem(raw: RawTokenizer) -> str | None:
         if got != expected:
             return f"special token {tok} has id {got}, expected {expected}"
     return None
-
-
-def load_tokenizer(path: str | Path) -> TokenizerLike:
-    """The tokenizer in ``path`` (a directory, or its tokenizer.json): native or Hugging Face.
-
-    A tokenizer.json whose first ids are needle's ``SPECIAL_TOKENS`` is needle's own
-    (``Tokenizer``, byte-identical behaviour); anything else is a pretrained model's tokenizer,
-    read with its tokenizer_config.json, chat template and generation_config.json
-    (``HFTokenizer``). A directory with Needle 3's SentencePiece ``tokenizer.model`` (and no
-    tokenizer.json), or that ``.model`` file, is ``Needle3Tokenizer`` (needle/needle3_tokenizer.py).
-    """
-    p = Path(path)
-    if (p.is_dir() and (p / SP_MODEL_FILE).is_file() and not (p / TOKENIZER_FILE).is_file()) or (
-        p.is_file() and p.suffix == ".model"
-    ):
-        from needle.needle3_tokenizer import Needle3Tokenizer  # lazy: sentencepiece only for Needle 3
-
-        return Needle3Tokenizer.load(p)
-    file = p / TOKENIZER_FILE if p.is_dir() else p
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no tokenizer.json here")
-    text = file.read_text(encoding="utf-8")
-    raw = RawTokenizer.from_str(text)
-    if native_specials_problem(raw) is None:
-        return Tokenizer(raw)
-    from needle.hf_tokenizer import HFTokenizer  # lazy: keeps the HF config reading out of native paths
-
-    return HFTokenizer.load(file.parent)
-
-
-def __getattr__(name: str) -> object:
-    # ``needle.tokenizer.HFTokenizer`` without importing it for every native-only user.
-    if name == "HFTokenizer":
-        from needle.hf_tokenizer import HFTokenizer
-
-        return HFTokenizer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,9 +9,9 @@ transformers 5 (``rope_parameters``, per layer type for Gemma 3) and 4 (``rope_t
 
     src = resolve_model_source("hf:Qwen/Qwen3-0.6B@main")     # or a local directory
     cfg = hf_config_to_model_config(src.path / "config.json", max_len=2048)
-    params = load_hf_params(src.path, cfg)                    # needle/model/hf_weights.py
+    params = load_hf_params(src.path, cfg)                    # needle/model/hf/weights.py
 
-Weights: needle/model/hf_weights.py. Export back to HF / PEFT: needle/model/hf_export.py.
+Weights: needle/model/hf/weights.py. Export back to HF / PEFT: needle/model/hf/export.py.
 """
 
 from __future__ import annotations

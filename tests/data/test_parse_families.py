@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from needle.eval.parse import (
+from needle.data.parse import (
     parse_calls,
     parse_function_gemma,
     parse_hermes,

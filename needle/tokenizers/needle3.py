@@ -15,7 +15,7 @@ normaliser and settings, so ids are the reference's by construction).
 
 Text is encoded without BOS/EOS: Needle's row format (needle/data/needle3_format.py) adds BOS
 in front of the prompt and EOS after the target, as the reference's ``_encode`` does.
-``llguidance_tokenizer`` gives the grammar library (needle/serve/constrain.py) each id's bytes:
+``llguidance_tokenizer`` gives the grammar library (needle/eval/constrain.py) each id's bytes:
 byte pieces ``<0xNN>`` as that byte, ``▁`` as a space, control pieces and the ``<…>`` markers as
 special tokens.
 
@@ -33,11 +33,10 @@ from typing import Any
 import sentencepiece as spm
 
 # The ids and markers live one layer down, shared with the row format and the parser.
-from needle.needle3_markers import (  # noqa: F401
-    BOS_ID, EOS_ID, FIRST_MARKER_ID, IM_END, IM_END_ID, IM_START, MARKERS, N_FIXED_MARKERS, PAD_ID, THINK_END,
-    THINK_START, TOOL_CALL_END, TOOL_CALL_START, TOOL_RESULT_END, TOOL_RESULT_START, TOOLS_END, TOOLS_START, UNK_ID,
+from needle.tokenizers.base import SP_MODEL_FILE, TOKENIZER_FILE
+from needle.tokenizers.markers import (
+    BOS_ID, EOS_ID, FIRST_MARKER_ID, IM_END_ID, MARKERS, N_FIXED_MARKERS, PAD_ID, UNK_ID,
 )  # fmt: skip
-from needle.tokenizer_base import SP_MODEL_FILE, TOKENIZER_FILE
 
 META_SPACE = "\u2581"  # SentencePiece's ▁: a space inside a piece
 
@@ -73,7 +72,7 @@ def sp_problem(sp: spm.SentencePieceProcessor, types: list[int]) -> str | None:
 
 
 class Needle3Tokenizer:
-    """A Needle 3 ``tokenizer.model`` (SentencePiece) as a :class:`needle.tokenizer.TokenizerLike`."""
+    """A Needle 3 ``tokenizer.model`` (SentencePiece) as a :class:`needle.tokenizers.base.TokenizerLike`."""
 
     def __init__(self, model_bytes: bytes) -> None:
         self._bytes = bytes(model_bytes)
@@ -142,12 +141,6 @@ class Needle3Tokenizer:
     @property
     def add_dummy_prefix(self) -> bool:
         return self._add_dummy_prefix
-
-    def chat_format(self) -> Any:
-        """The format this tokenizer is trained with: :class:`~needle.data.needle3_format.Needle3Format`."""
-        from needle.data.needle3_format import Needle3Format
-
-        return Needle3Format()
 
     def token_id(self, tok: str) -> int:
         """Id of one piece (``"<|im_end|>"``, ``"▁the"``, ``"</s>"``); KeyError when absent."""

@@ -1,11 +1,11 @@
 """What every tokenizer shares: the special tokens, file names, the protocol and the raw-ids base.
 
-The lowest tokenizer layer. needle's own BPE (needle/tokenizer.py), a Hugging Face model's
-tokenizer (needle/hf_tokenizer.py) and Needle 3's SentencePiece tokenizer
-(needle/needle3_tokenizer.py) import from here; ``needle.tokenizer`` re-exports every name, and
+The lowest tokenizer layer. needle's own BPE (needle/tokenizers/native.py), a Hugging Face model's
+tokenizer (needle/tokenizers/hf.py) and Needle 3's SentencePiece tokenizer
+(needle/tokenizers/needle3.py) import from here; ``needle.tokenizers.native`` re-exports every name, and
 its ``load_tokenizer`` picks among them, so the imports point one way (down to this module).
 
-    from needle.tokenizer_base import TOKENIZER_FILE, TokenizerLike
+    from needle.tokenizers.base import TOKENIZER_FILE, TokenizerLike
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|call|>",
 )
 # The same tokens by role, so the template (needle/data/render.py) and the parser
-# (needle/eval/parse.py) never spell them out again.
+# (needle/data/parse.py) never spell them out again.
 PAD, BOS, END, SYSTEM, TOOLS, USER, ASSISTANT, THINK, CALL = SPECIAL_TOKENS
 TOKENIZER_FILE = "tokenizer.json"
-SP_MODEL_FILE = "tokenizer.model"  # Needle 3's SentencePiece model (needle/needle3_tokenizer.py)
+SP_MODEL_FILE = "tokenizer.model"  # Needle 3's SentencePiece model (needle/tokenizers/needle3.py)
 
 
 @runtime_checkable

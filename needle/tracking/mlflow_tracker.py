@@ -6,7 +6,7 @@ would otherwise open a second run). An outage is a warning: metrics are kept, re
 the end either delivered or written to a spill file that :func:`upload_pending_metrics` sends
 on a later run. :func:`check_tracking` fails in seconds when a run cannot be tracked at all.
 
-    from needle.mlflow_tracker import MlflowTracker, check_tracking
+    from needle.tracking.mlflow_tracker import MlflowTracker, check_tracking
     check_tracking(uri)                                  # TrackingUnavailableError, URI redacted
     tracker = MlflowTracker(run_id, uri, spill_dir=".state/pending-metrics")
     tracker.log_params({"lora.rank": 8, "hf_token": "..."})  # the token is logged as redacted
@@ -26,16 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from needle.errors import NeedleError
-from needle.redaction import (
-    _MAX_PARAMS_PER_BATCH,
-    MAX_PARAM_VALUE_CHARS,
-    REDACTED,
-    TRUNCATED_TAG,
-    _clip_tag,
-    is_secret_key,
-    redact_uri,
-    sanitize_params,
-)
+from needle.tracking.redaction import (
+    MAX_PARAM_VALUE_CHARS, REDACTED, TRUNCATED_TAG, _MAX_PARAMS_PER_BATCH, _clip_tag, is_secret_key, redact_uri, sanitize_params,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from flax import traverse_util
 
 from needle.config import LoraConfig, ModelConfig
 from needle.errors import ModelImportError
-from needle.model.hf import HF_CLASSES
-from needle.model.hf_weights import SINGLE_FILE, params_to_hf_tensors
+from needle.model.hf.config import HF_CLASSES
+from needle.model.hf.weights import SINGLE_FILE, params_to_hf_tensors
+from needle.model.layout import _swap_in
 from needle.model.lora import Params
 
 # Switches a Llama checkpoint cannot express; a needle-arch config using any is not a Llama.
@@ -88,8 +89,6 @@ def _staged(out_dir: str | Path) -> tuple[Path, Path]:
 
 
 def _finish(staged: Path, target: Path) -> Path:
-    from needle.model.layout import _swap_in
-
     _swap_in(staged, target)
     return target
 

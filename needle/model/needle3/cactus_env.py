@@ -2,7 +2,7 @@
 
 cactus-needle's import name is also ``needle``, so it never shares an interpreter with this
 project: its code runs in a virtualenv of its own, from scripts started with ``python -I`` that
-import nothing of this repository (``needle/model/cact_worker.py``, ``bench/cactus_worker.py``).
+import nothing of this repository (``needle/model/needle3/cact_worker.py``, ``bench/cactus_worker.py``).
 The virtualenv is ``$NEEDLE_CACTUS_VENV`` or ``~/.cache/needle/cactus-needle-<version>``, created
 on first use with pip (the package registry must be reachable then, never afterwards).
 

@@ -8,7 +8,7 @@
                              (``lora/<path>/A|B``, metadata scale/base/rank/seed), for
                              cactus-needle's ``read_adapter``/``merge_lora``/``needle build --lora``
     model.cact               the on-device archive, written by cactus-needle's own ``write_export``
-                             in its side virtualenv (needle/model/cactus_env.py) and read back there
+                             in its side virtualenv (needle/model/needle3/cactus_env.py) and read back there
     tokenizer.model          the SentencePiece model the archive embeds
 
     export_needle("runs/tuned/model", "out/needle")          # dict of the written paths
@@ -27,6 +27,10 @@ import numpy as np
 from flax import traverse_util
 
 from needle.errors import ModelImportError
+from needle.model.io import load_model
+from needle.model.layout import ADAPTER_FILE, load_adapter
+from needle.model.needle3.cactus_env import run_in_cactus_env
+from needle.model.needle3.checkpoint import write_needle3_checkpoint
 
 CHECKPOINT = "checkpoint.safetensors"
 ADAPTER = "adapter.safetensors"
@@ -61,8 +65,6 @@ def write_needle_adapter(path: Path, adapter: dict[str, Any], meta: dict[str, An
 
 def write_cact(checkpoint: Path, sp_model: Path, out: Path, *, drop_confidence: bool) -> dict[str, Any]:
     """The ``.cact`` archive of ``checkpoint`` through cactus-needle's writer; its read-back summary."""
-    from needle.model.cactus_env import run_in_cactus_env
-
     with tempfile.TemporaryDirectory(prefix="needle-cact-") as tmp:
         spec = {"checkpoint": str(checkpoint), "sp_model": str(sp_model), "out": str(out),
                 "drop_confidence": drop_confidence, "summary": os.path.join(tmp, "summary.json")}  # fmt: skip
@@ -74,10 +76,6 @@ def write_cact(checkpoint: Path, sp_model: Path, out: Path, *, drop_confidence: 
 
 def export_needle(model_dir: str | Path, out_dir: str | Path, *, archive: bool = True) -> dict[str, Path]:
     """Write a Needle 3 model directory (a fine-tune's, or a base) as Needle's files; return their paths."""
-    from needle.model.layout import ADAPTER_FILE, load_adapter
-    from needle.model.io import load_model
-    from needle.model.needle3.checkpoint import write_needle3_checkpoint
-
     loaded = load_model(model_dir)
     if loaded.model_cfg.arch != "needle3" or loaded.model_cfg.needle3 is None:
         raise ModelImportError(f"{model_dir}: a {loaded.model_cfg.arch} model; --format needle exports Needle 3 models only")

@@ -26,7 +26,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
+from needle.model.hf.config import hf_config_to_model_config
+from needle.model.hf.export import export_hf
+from needle.model.lora import init_params
+from needle.tokenizers.hf import HFTokenizer
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "templates"
 # Per template family: the real vocabulary's special tokens, tokenizer_config's named tokens and
 # generation_config's eos tokens (transformers stops at any of them).
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -173,10 +178,6 @@ def write_random_hf_model(
     keys = parse_shape(shape)
     if keys and keys.get("model_type"):
         arch = keys["model_type"]
-    from needle.hf_tokenizer import HFTokenizer
-    from needle.model.hf import hf_config_to_model_config
-    from needle.model.hf_export import export_hf
-    from needle.model.lora import init_params
 
     family = FAMILY_OF_ARCH.get(arch)
     if family is None:

@@ -2,10 +2,10 @@
 
 The lowest tracking layer: URI credentials hidden (``redact_uri``, ``RedactingFilter``,
 ``redact_logs``), secret-looking parameter names redacted, values clipped to MLflow's limits.
-The tracker protocol (needle/tracking.py) and the MLflow tracker (needle/mlflow_tracker.py)
-both import from here; ``needle.tracking`` re-exports every name.
+The tracker protocol (needle/tracking/tracker.py) and the MLflow tracker (needle/tracking/mlflow_tracker.py)
+both import from here; ``needle.tracking.tracker`` re-exports every name.
 
-    from needle.redaction import redact_uri, sanitize_params
+    from needle.tracking.redaction import redact_uri, sanitize_params
     redact_uri("http://user:pw@host")       # 'http://user:***@host'
 """
 

@@ -1,7 +1,7 @@
 """Needle 3's fixed special ids and chat markers (cactus-needle 3.x's ``tokenizer.model``).
 
-They sit apart from the tokenizer (needle/needle3_tokenizer.py, which needs sentencepiece) so
-that the row format (needle/data/needle3_format.py) and the call parser (needle/eval/parse.py)
+They sit apart from the tokenizer (needle/tokenizers/needle3.py, which needs sentencepiece) so
+that the row format (needle/data/needle3_format.py) and the call parser (needle/data/parse.py)
 share them without importing the tokenizer, which hands out the format: every import points down.
 """
 

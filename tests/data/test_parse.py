@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from needle.eval.parse import parse_calls
+from needle.data.parse import parse_calls
 
 CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 

@@ -16,10 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from needle.config import LoraConfig
 from needle.errors import ModelImportError
-
-# The adapter file lives in the layout layer (needle/model/layout.py): io writes it there.
-from needle.model.layout import ADAPTER_FILE, load_adapter, save_adapter  # noqa: F401
+from needle.model.gguf.export import export_gguf
+from needle.model.hf.export import export_hf, export_peft
+from needle.model.io import load_model
+from needle.model.layout import ADAPTER_FILE, load_adapter
+from needle.model.needle3.export import export_needle
+from needle.registry import resolve_model_dir
 
 ExportFormat = Literal["hf", "peft", "needle", "gguf"]
 
@@ -36,20 +40,11 @@ def base_source_of(meta: dict[str, Any]) -> dict[str, Any]:
 def export_model(location: str, fmt: ExportFormat, out_dir: str | Path, gguf_type: str = "f16") -> Path:
     """Export a model (directory, ``models:/`` URI, Hugging Face directory or GGUF file) as
     ``hf``, ``peft``, ``needle`` or ``gguf`` (``gguf_type``: f16, bf16, q8_0, f32)."""
-    from needle.config import LoraConfig
-    from needle.model.hf_export import export_hf, export_peft
-    from needle.model.io import load_model
-    from needle.registry import resolve_model_dir
-
     model_dir = resolve_model_dir(location) if not location.startswith("hf:") else location
     if fmt == "needle":
-        from needle.model.needle3_export import export_needle
-
         export_needle(model_dir, out_dir)
         return Path(out_dir)
     if fmt == "gguf":
-        from needle.model.gguf.export import export_gguf
-
         return export_gguf(model_dir, out_dir, gguf_type)[0]  # type: ignore[arg-type]
     if fmt == "hf":
         return export_hf(load_model(model_dir), None, None, out_dir)
@@ -65,8 +60,6 @@ def export_model(location: str, fmt: ExportFormat, out_dir: str | Path, gguf_typ
 def export_run_model(model_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
     """The exports a run logs: ``hf`` always, ``peft`` for a LoRA run on an imported base, ``gguf``
     (model.gguf, f16, and adapter.gguf) for a run on a GGUF base."""
-    from needle.model.io import load_model
-
     out = Path(out_root)
     loaded = load_model(model_dir)
     if loaded.model_cfg.arch == "needle3":  # Needle's own files; transformers has no Needle 3

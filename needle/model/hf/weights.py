@@ -30,6 +30,7 @@ from flax import traverse_util
 
 from needle.config import ModelConfig
 from needle.errors import ModelImportError
+from needle.model.factory import abstract_params
 from needle.model.lora import Params
 
 SINGLE_FILE = "model.safetensors"
@@ -73,8 +74,6 @@ def hf_key_map(cfg: ModelConfig) -> KeyMap:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Checkpoint shape of every tensor in :func:`hf_key_map` (HF layout), without building params."""
-    from needle.model.layout import abstract_params
-
     flat = traverse_util.flatten_dict(abstract_params(cfg))
     return {k: tuple(flat[path].shape[::-1] if t else flat[path].shape) for k, (path, t) in hf_key_map(cfg).items()}
 

@@ -1,6 +1,6 @@
 """Write (and read back) Needle's on-device ``.cact`` archive with cactus-needle's own code.
 
-Runs ONLY in the cactus-needle side virtualenv (needle/model/cactus_env.py), as
+Runs ONLY in the cactus-needle side virtualenv (needle/model/needle3/cactus_env.py), as
 ``python -I cact_worker.py spec.json``: the ``needle`` it imports is cactus-needle, never this
 repository, so it imports nothing from here. The spec names a format-2 checkpoint (the merged
 fine-tune), the SentencePiece model, the output path and whether to drop the confidence head

@@ -27,6 +27,11 @@ import numpy as np
 
 from needle.config import ModelConfig, Needle3Config
 from needle.errors import ModelImportError
+from needle.model.factory import LoadedModel, module_for
+from needle.model.hf.config import download_snapshot
+from needle.model.needle3.architecture import check_supported
+from needle.model.needle3.checkpoint import needle3_model_config, read_needle3_checkpoint
+from needle.tokenizers.load import load_tokenizer
 
 log = logging.getLogger("needle")
 
@@ -53,8 +58,6 @@ def _looks_like_pickle(path: Path) -> bool:
 
 def needle3_config(raw: dict[str, Any], where: str) -> Needle3Config:
     """A Needle 3 config (a checkpoint's, or a sample shape) validated; unsupported switches refused by name."""
-    from needle.model.needle3.architecture import check_supported
-
     try:
         n3 = Needle3Config.model_validate(raw)
         check_supported(n3)
@@ -65,8 +68,6 @@ def needle3_config(raw: dict[str, Any], where: str) -> Needle3Config:
 
 def model_config_of(n3: Needle3Config, max_len: int | None = None) -> ModelConfig:
     """needle's ``ModelConfig`` for a Needle 3 base: context ``max_len`` (default ``IMPORTED_MAX_LEN``), capped by the model's."""
-    from needle.model.needle3.checkpoint import needle3_model_config
-
     limit = max_len or min(IMPORTED_MAX_LEN, n3.max_seq_len)
     if limit > n3.max_seq_len:
         raise ModelImportError(f"max_len {limit} exceeds the Needle 3 model's max_seq_len {n3.max_seq_len}")
@@ -102,8 +103,6 @@ def find_sp_model(checkpoint: Path) -> Path:
 def _resolve(spec: str | Path) -> tuple[Path, dict[str, Any]]:
     text = str(spec)
     if text.startswith("hf:"):
-        from needle.model.hf import download_snapshot
-
         src = download_snapshot(text, ALLOW_PATTERNS)
         return find_checkpoint(src.path), src.as_meta()
     path = Path(text).expanduser().absolute()
@@ -116,10 +115,6 @@ def _resolve(spec: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def import_needle3_model(spec: str | Path, *, max_len: int | None = None) -> Any:
     """Import a Needle 3 base (file, repository directory or ``hf:`` id) as a ``LoadedModel``."""
-    from needle.model.layout import LoadedModel
-    from needle.model.needle3.checkpoint import read_needle3_checkpoint
-    from needle.tokenizer import load_tokenizer
-
     ckpt, source = _resolve(spec)
     if _looks_like_pickle(ckpt) or ckpt.suffix != ".safetensors":
         raise ModelImportError(f"{ckpt}: not a .safetensors file; Needle checkpoints are safetensors and needle never unpickles")
@@ -152,8 +147,6 @@ PROBE_HEADS = ("embedding_head", "confidence_head", "router_head")
 def _fill_probe_heads(params: dict[str, Any], cfg: ModelConfig) -> list[str]:
     """A checkpoint made by cactus-needle's plain ``init`` (a pretraining start, a stand-in) has no probe
     heads; a trained one has all three. Missing heads get the module's deterministic init, in place."""
-    from needle.model.factory import module_for
-
     missing = [h for h in PROBE_HEADS if h not in params]
     if missing:
         fresh = module_for(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 8), jax.numpy.int32))["params"]

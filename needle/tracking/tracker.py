@@ -1,14 +1,13 @@
-"""Experiment tracking behind a small protocol: no-op, in-memory and prefixed trackers, and the
-redaction every tracker applies (URI credentials, secret-looking param names).
+"""Experiment tracking behind a small protocol: no-op, in-memory and prefixed trackers.
 
 The training loop and the pipeline stages only see :class:`Tracker`; the orchestration shell
-picks the implementation: the MLflow one is needle.mlflow_tracker.MlflowTracker (also importable
-from here), which buffers metrics in a background thread so training never waits on MLflow.
+picks the implementation: the MLflow one is needle.tracking.mlflow_tracker.MlflowTracker, which
+buffers metrics in a background thread so training never waits on MLflow. What every tracker
+strips or clips (URI credentials, secret-looking param names) is needle/tracking/redaction.py.
 
-    from needle.tracking import MemoryTracker, PrefixedTracker, redact_uri
+    from needle.tracking.tracker import MemoryTracker, PrefixedTracker
     tracker = PrefixedTracker(MemoryTracker(), "base/")
     tracker.log_metrics({"loss": 2.3}, step=10)   # recorded as base/loss
-    redact_uri("http://user:pw@host")             # 'http://user:***@host'
 """
 
 from __future__ import annotations
@@ -16,12 +15,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
-
-# The redaction layer, re-exported: ``from needle.tracking import redact_uri`` keeps working.
-from needle.redaction import (  # noqa: F401
-    _MAX_PARAMS_PER_BATCH, MAX_PARAM_VALUE_CHARS, MAX_TAG_VALUE_CHARS, REDACTED, TRUNCATED_TAG, RedactingFilter,
-    _clip_tag, is_secret_key, redact_logs, redact_uri, sanitize_params,
-)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +100,3 @@ class PrefixedTracker:
     def finish(self, status: str = "FINISHED") -> None:
         """Flush the inner tracker."""
         self.inner.finish(status)
-
-
-_MLFLOW_NAMES = {"MlflowTracker", "TrackingUnavailableError", "HEARTBEAT_TAG", "check_tracking",
-                 "tracking_reachable", "upload_pending_metrics"}
-
-
-def __getattr__(name: str) -> Any:
-    """The MLflow tracker lives in needle.mlflow_tracker; ``from needle.tracking import
-    MlflowTracker`` keeps working without importing it for users of the protocol alone."""
-    if name in _MLFLOW_NAMES:
-        from needle import mlflow_tracker
-
-        return getattr(mlflow_tracker, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

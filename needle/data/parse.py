@@ -9,7 +9,7 @@ Needle's template (docs/architecture.md) makes the model emit
 broken JSON, a non-list, a call without a string name or an object of arguments, text after
 the JSON) gives ``calls=None`` and a one-line ``error`` saying why, so the metrics can count it.
 
-    from needle.eval.parse import parse_calls
+    from needle.data.parse import parse_calls
     parse_calls('<|call|>[{"name":"f","arguments":{"x":1}}]').calls
     # [{'name': 'f', 'arguments': {'x': 1}}]
 
@@ -17,7 +17,9 @@ Pretrained models' templates have their own forms, parsed below to the same Pars
 ``<tool_call>{json}</tool_call>``, Llama 3.x JSON calls, FunctionGemma's
 ``<start_function_call>call:name{…}<end_function_call>``; ``parser_for(template)`` picks one.
 Needle 3's ``<tool_call>[…]</tool_call>`` is ``parse_needle3``, ``parser_for("needle3")``: its format
-lives in needle/data/needle3_format.py, which imports this parser (data imports eval, not the reverse).
+lives in needle/data/needle3_format.py. Parsing sits in data/, beside the formats that render what
+it reads back: the formats (render, chat, needle3_format) and evaluation and serving above them all
+import it, and it imports only the tokenizers' markers.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from needle.needle3_markers import IM_END, MARKERS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
-from needle.tokenizer_base import CALL, END, THINK
+from needle.tokenizers.base import CALL, END, THINK
+from needle.tokenizers.markers import IM_END, MARKERS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START
 
 CALL_KEYS = frozenset({"name", "arguments"})
 
