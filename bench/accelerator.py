@@ -94,7 +94,7 @@ def run_case(
     from needle.hardware import settings_for
     from needle.model import lora as lora_lib
     from needle.model.hf.config import hf_config_to_model_config
-    from needle.model.hf.sample import shape_config
+    from needle.model.hf.random_model import shape_config
     from needle.model.transformer import Transformer
     from needle.train.finetune import make_apply_fn
     from needle.train.step import create_state, train_step

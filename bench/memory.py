@@ -71,7 +71,7 @@ def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     from needle.config import LoraConfig
     from needle.hardware import old_paths, settings_for, with_overrides
     from needle.model.hf.config import hf_config_to_model_config
-    from needle.model.hf.sample import shape_config
+    from needle.model.hf.random_model import shape_config
     from needle.model.transformer import Transformer
 
     cfg = hf_config_to_model_config(shape_config(shape), max_len=1024)

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from prefect import flow, runtime
 
 from needle import pipeline
+from needle.data.load import LoadedSource
 from needle.gate import overlap_count
 from needle.pipeline import config_digest
 from needle.tracking.mlflow_tracker import MlflowTracker
@@ -107,7 +108,7 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
 
 
 def gate_and_register(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: MlflowTracker,
-                      tuned: pipeline.Trained, gate_rows: pipeline.LoadedSource, run_dir: Path,
+                      tuned: pipeline.Trained, gate_rows: LoadedSource, run_dir: Path,
                       tags: dict[str, Any], model_run_id: Optional[str] = None) -> tuple[Any, Any]:  # fmt: skip
     """Score the tuned model and the champion on the gate set, record the verdict in ``run``,
     register the version (from the ``model`` artifact of ``model_run_id``, default ``run``) with

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from needle_flows.paths import resolve_source
 from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, ModelConfig, OptimConfig, TrainConfig
-from needle.config import preset_names, training_configs
+from needle.config import data_config, preset_names, training_configs
 from needle.gate import DEFAULT_GATE, GateRule
 from needle.pipeline import AutoBase, model_config
 
@@ -50,7 +50,10 @@ class FinetuneParams(BaseModel):
     batch_size: Optional[int] = Field(None, gt=0, description="sequences per step (None: the mode's default)")
     seed: int = Field(0, description="seed for init, shuffling and the base model")
     on_error: Literal["fail", "drop"] = Field("fail", description="bad rows: fail with file:line, or drop and report")
-    max_len: Optional[int] = Field(None, gt=8, description="longest tokenized row (None: the model's max_len)")
+    max_len: Optional[int] = Field(
+        None, gt=8, description="longest tokenized row, and an imported base's context (None: the model's max_len; "
+        "2048 for an imported base, capped by the model), as `needle train --max-len`"
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="adapter settings (mode lora)")
     optim: Optional[OptimConfig] = Field(None, description="optimizer settings (keys not set: the mode's defaults)")
     train: dict[str, Any] = Field(
@@ -87,8 +90,7 @@ class FinetuneParams(BaseModel):
 
     def data_config(self, source: str, model_cfg: ModelConfig) -> DataConfig:
         """How rows of ``source`` are prepared for a model of ``model_cfg``."""
-        max_len = self.max_len or model_cfg.max_len
-        return DataConfig(source=resolve_source(source), max_len=max_len, on_error=self.on_error)
+        return data_config(resolve_source(source), model_cfg, self.max_len, self.on_error)
 
     def training_identity(self) -> dict[str, Any]:
         """The parameters that decide the trained model besides data and base (for train_key)."""

@@ -31,9 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from needle import pipeline
 from needle.config import ClusterConfig
-from needle.train.launch import connect_ray, ray_address
+from needle.data.load import LoadedSource
 from needle.tracking.mlflow_tracker import MlflowTracker
 from needle.tracking.redaction import redact_logs, redact_uri
+from needle.train.launch import connect_ray, ray_address
 from needle_flows import run_record as rec
 from needle_flows.finetune import gate_and_register
 from needle_flows.params import FinetuneParams
@@ -240,7 +241,7 @@ def _child_run(parent: rec.MlflowRun, number: int, values: dict[str, Any]) -> re
     return rec.MlflowRun(parent.client, parent.uri, parent.experiment_id, parent.experiment, child.info.run_id)
 
 
-def run_trial(p: SweepParams, values: dict[str, Any], child: rec.MlflowRun, source: pipeline.LoadedSource,
+def run_trial(p: SweepParams, values: dict[str, Any], child: rec.MlflowRun, source: LoadedSource,
               hw: dict[str, Any], state: Path, trial_dir: Path,
               cluster: Optional[ClusterConfig] = None) -> tuple[float, pipeline.Trained]:  # fmt: skip
     """One trial in its child run: the finetune flow's stages, as library calls (trials run in

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from needle.config import ClusterConfig, DataConfig, LoraConfig, preset_names, training_configs
+from needle.config import ClusterConfig, data_config, lora_config, preset_names, training_configs
 from needle.data.sample import write_sample
 from needle.errors import NeedleError, UsageError
 from needle.hardware import format_probe, probe
@@ -114,11 +114,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     source = pipeline.load_data(args.data, args.on_error)  # bad rows fail before any model loads
     base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset, max_len=args.max_len)
     model_cfg = pipeline.model_config(args.preset) if base is None else base.model_cfg
-    data_cfg = DataConfig(source=args.data, max_len=model_cfg.max_len, on_error=args.on_error)
+    data_cfg = data_config(args.data, model_cfg, args.max_len, args.on_error)
     prepared = pipeline.prepare_data(data_cfg, source, tokenizer=base.tokenizer if base else None,
                                      vocab_size=model_cfg.vocab_size, cache_dir=prepared_cache_dir())
     train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
-    lora_cfg = LoraConfig() if args.mode == "lora" else None
+    lora_cfg = lora_config(args.mode, {k: v for k, v in (('rank', args.lora_rank), ('alpha', args.lora_alpha),
+                                                          ('targets', args.lora_targets)) if v is not None})
     cluster = ClusterConfig(workers=args.workers, address=args.ray, devices_per_worker=args.devices_per_worker)
     trained = pipeline.train(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base=base, out_dir=out,
                              cluster=cluster)  # fmt: skip
@@ -161,10 +162,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def _cmd_sample_model(args: argparse.Namespace) -> int:
     # lazy: the command's stage (jax, datasets) loads only when it runs, so `needle --help` stays fast
-    from needle.model.hf.sample import parse_shape, write_random_hf_model
+    from needle.model.hf.random_model import parse_shape, write_random_hf_model
 
     if args.arch == "needle3":
-        from needle.model.needle3.sample import SHAPES, write_random_needle3  # lazy, as above
+        from needle.model.needle3.random_model import SHAPES, write_random_needle3  # lazy, as above
 
         shape = args.shape or "tiny"
         print(write_random_needle3(args.out_dir, data=args.data, seed=args.seed,
@@ -272,7 +273,13 @@ def _add_model_commands(sub: Any) -> None:
                    help="model preset (scratch: default small; lora/full: must match the base's)")
     p.add_argument("--base", default=None,
                    help="base model (lora/full): a needle model dir, a Hugging Face model dir, hf:owner/name[@rev] or a .gguf file")
-    p.add_argument("--max-len", type=positive_int, default=None, help="an imported model's context (default 2048, capped by the model)")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="longest tokenized row, and an imported model's context (default: the model's; "
+                   "2048 for an imported one, capped by the model)")
+    p.add_argument("--lora-rank", type=positive_int, default=None, help="adapter rank (mode lora; default 16)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="adapter scale numerator (mode lora; default 32)")
+    p.add_argument("--lora-targets", type=lambda s: tuple(s.split(",")), default=None, metavar="q,k,v,...",
+                   help="projections that get an adapter (mode lora; default q,k,v,o,gate,up,down)")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (default: the mode's)")
     p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)

@@ -358,6 +358,35 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+# The context an imported model (Hugging Face, GGUF, Needle 3) is fine-tuned and decoded with
+# unless max_len asks for another: tool-calling rows with a few tools fit, and batches, KV caches
+# and attention stay a size a single accelerator holds.
+IMPORTED_MAX_LEN = 2048
+
+
+def imported_max_len(requested: int | None, model_limit: int | None) -> int:
+    """An imported model's context: ``requested`` (default ``IMPORTED_MAX_LEN``), capped by the
+    model's own limit (``max_position_embeddings``, Needle 3's ``max_seq_len``) when it has one."""
+    wanted = requested or IMPORTED_MAX_LEN
+    return min(wanted, model_limit) if model_limit else wanted
+
+
+def data_config(source: str, model_cfg: ModelConfig, max_len: int | None = None, on_error: str = "fail") -> DataConfig:
+    """How rows of ``source`` are prepared for a model of ``model_cfg``: rows up to ``max_len``
+    tokens (default: the model's context). ``needle train``, the flow and its auto base all build
+    their ``DataConfig`` here, so ``max_len`` means the same at every entry point: the longest
+    tokenized row, and (given to ``load_model``) an imported model's context."""
+    return DataConfig(source=source, max_len=max_len or model_cfg.max_len, on_error=on_error)
+
+
+def lora_config(mode: str, lora: LoraConfig | dict[str, Any] | None = None) -> LoraConfig | None:
+    """The adapter config a run of ``mode`` trains with: ``lora`` (a config or its keys; None: the
+    defaults) in mode lora, None in every other mode. The one place that rule lives."""
+    if mode != "lora":
+        return None
+    return lora if isinstance(lora, LoraConfig) else LoraConfig.model_validate(lora or {})
+
+
 def training_configs(
     mode: str,
     *,

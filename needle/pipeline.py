@@ -179,7 +179,7 @@ def obtain_base(
     ``tracker`` (keys prefixed ``base/``) so every run has the same keys; anything else is loaded
     with ``load_model``: a native export, a Hugging Face model directory or ``hf:owner/name[@rev]``
     (the model config comes from the base; a named ``preset`` must match a native base's;
-    ``max_len`` sets an imported model's context, see ``needle.model.hf.config.IMPORTED_MAX_LEN``)."""
+    ``max_len`` sets an imported model's context, see ``needle.config.imported_max_len``)."""
     if spec != "auto":
         return _load_base(spec, preset, max_len)
     if auto is None or state_dir is None:
@@ -285,7 +285,6 @@ def train(
     ``cluster`` with more than one worker, or an address, trains on Ray workers as one program
     (``needle/train/launch.py``); their params and metrics are logged here when it ends.
     """
-    lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
     if cluster is not None and cluster.on_ray:
         result = _train_on_cluster(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base, Path(out_dir), cluster)
         replay_record({"params": result.params, "history": result.history}, tracker or NoopTracker())

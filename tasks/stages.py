@@ -20,6 +20,7 @@ from prefect.states import State
 from needle import gate as gating
 from needle import lineage, pipeline, registry
 from needle.config import ClusterConfig, DataConfig, EvalConfig, LoraConfig, OptimConfig, TrainConfig
+from needle.data.load import LoadedSource
 from needle.errors import NeedleError
 from needle.hardware import format_probe
 from needle.hardware import probe as probe_runtime
@@ -35,13 +36,13 @@ def transient_only(task: Task, task_run: TaskRun, state: State) -> bool:
 # log_prints off here and in prepare: datasets fingerprints functions with dill, which captures
 # dis.dis output from stdout; the flow's log_prints would turn those listings into log lines.
 @task(name="validate", cache_policy=NO_CACHE, log_prints=False)
-def validate(source: str, on_error: str) -> pipeline.LoadedSource:
+def validate(source: str, on_error: str) -> LoadedSource:
     """Read and validate every row (fails in seconds with file:line, before any training)."""
     return pipeline.load_data(source, on_error)
 
 
 @task(name="prepare", cache_policy=NO_CACHE, log_prints=False)
-def prepare(cfg: DataConfig, source: pipeline.LoadedSource, tokenizer: Any, cache_dir: Path) -> pipeline.PreparedSet:
+def prepare(cfg: DataConfig, source: LoadedSource, tokenizer: Any, cache_dir: Path) -> pipeline.PreparedSet:
     """Tokenize with the base's tokenizer, split, fingerprint; cached by content under cache_dir."""
     return pipeline.prepare_data(cfg, source, tokenizer=tokenizer, cache_dir=cache_dir)
 
@@ -106,7 +107,7 @@ def champion(tracking_uri: str, cache_dir: Path) -> Optional[tuple[str, str]]:
 
 
 @task(name="gate", cache_policy=NO_CACHE)
-def gate(challenger_dir: str, champion: Optional[tuple[str, str]], gate_rows: pipeline.LoadedSource, cfg: EvalConfig,
+def gate(challenger_dir: str, champion: Optional[tuple[str, str]], gate_rows: LoadedSource, cfg: EvalConfig,
          rule: gating.GateRule, out_dir: Path) -> gating.GateOutcome:
     """Score challenger and champion on the gate set with the same settings; apply the rule."""
     return gating.run_gate(challenger_dir, champion, gate_rows, cfg, rule, out_dir)

@@ -219,7 +219,7 @@ def test_dropping_bad_rows_prepares_the_same_rows_on_both_paths(
 @pytest.fixture(scope="module")
 def tiny_hf_models(tmp_path_factory: pytest.TempPathFactory, sample_data: dict[str, Path]) -> dict[str, Path]:
     """Tiny random Qwen3 and Gemma 3 models in hub layout, tokenizers trained on the sample rows."""
-    from needle.model.hf.sample import write_random_hf_model
+    from needle.model.hf.random_model import write_random_hf_model
 
     root = tmp_path_factory.mktemp("hf")
     return {arch: write_random_hf_model(root / arch, arch, data=sample_data["base"], vocab_size=512, d_model=32)

@@ -28,7 +28,7 @@ def flow_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def needle3_file(tmp_path_factory: pytest.TempPathFactory, sample_data: dict[str, Path]) -> Path:
     """``tiny-needle3.safetensors`` with its ``tokenizer.model`` beside it (no repository layout)."""
-    from needle.model.needle3.sample import write_random_needle3
+    from needle.model.needle3.random_model import write_random_needle3
 
     root = tmp_path_factory.mktemp("n3base")
     repo = write_random_needle3(root / "repo", data=sample_data["new"], seed=0)

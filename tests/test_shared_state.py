@@ -142,7 +142,8 @@ def test_stale_run_rules() -> None:
     import sys
     import time
 
-    from needle_flows.run_record import HEARTBEAT_TAG, HOST_TAG, PID_STARTED_TAG, PID_TAG, process_tags, run_is_stale
+    from needle.tracking.mlflow_tracker import HEARTBEAT_TAG
+    from needle_flows.run_record import HOST_TAG, PID_STARTED_TAG, PID_TAG, process_tags, run_is_stale
 
     now = time.time()
     assert run_is_stale(process_tags(), now) is None  # this very process

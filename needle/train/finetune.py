@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, flatten_config
+from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, flatten_config, lora_config
 from needle.data.batching import BatchPlan, PackedPlan, choose_seq_len
 from needle.data.prepare import PreparedData
 from needle.errors import NonFiniteLossError
@@ -303,7 +303,7 @@ def run_training(
     enable_compilation_cache(train_cfg.compilation_cache_dir)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")
-    lora_cfg = lora_cfg if train_cfg.mode == "lora" else None
+    lora_cfg = lora_config(train_cfg.mode, lora_cfg)
     configs = (model_cfg, train_cfg, optim_cfg, lora_cfg)
     state = build_state(*configs, base if base is not None else base_model_dir, settings)
     master_frozen = None

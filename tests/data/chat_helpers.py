@@ -21,7 +21,7 @@ GOLDEN = FIXTURES / "chat_golden.json"
 # Fixed so the Llama template's "Today Date" does not depend on the day the tests run.
 TEMPLATE_KWARGS = {"llama3": {"date_string": "26 Jul 2024"}}
 # The family specials, tokenizer_config and generation eos live with the demo-model generator.
-from needle.model.hf.sample import FAMILIES, family_template, train_family_tokenizer  # noqa: E402
+from needle.model.hf.random_model import FAMILIES, family_template, train_family_tokenizer  # noqa: E402
 
 TIMER = {
     "name": "set_timer",

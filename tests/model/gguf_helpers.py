@@ -66,7 +66,7 @@ def fetch_smollm2() -> Path:
 
 def tiny_hf_model(root: Path, arch: str, data: Path | None = None, vocab_size: int = 384) -> Path:
     """A tiny random HF model of ``arch`` (d 64, 2 layers; Gemma 3 with 4 layers)."""
-    from needle.model.hf.sample import write_random_hf_model
+    from needle.model.hf.random_model import write_random_hf_model
 
     return write_random_hf_model(root / arch, arch, data=data, vocab_size=vocab_size, d_model=64,
                                  n_layers=4 if arch == "gemma3_text" else 2)  # fmt: skip

@@ -15,7 +15,7 @@ IDS = np.array([[5, 17, 99, 300, 42, 7, 8, 250, 11, 3]], np.int32)
 def tuned_qwen3(tmp_path_factory: pytest.TempPathFactory, sample_data: dict[str, Path]) -> dict[str, Path]:
     """A tiny random Qwen3, LoRA-tuned for two steps with `needle train` (the library path)."""
     from needle.cli import main
-    from needle.model.hf.sample import write_random_hf_model
+    from needle.model.hf.random_model import write_random_hf_model
 
     root = tmp_path_factory.mktemp("export")
     base = write_random_hf_model(root / "base", "qwen3", data=sample_data["base"], vocab_size=512, d_model=32)

@@ -144,7 +144,7 @@ def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
     from needle.hardware import settings_for
     from needle.model import lora as lora_lib
     from needle.model.hf.config import hf_config_to_model_config
-    from needle.model.hf.sample import shape_config
+    from needle.model.hf.random_model import shape_config
     from needle.model.transformer import Transformer
 
     cfg = hf_config_to_model_config({**shape_config("smollm2-135m"), "num_hidden_layers": 2, "vocab_size": 512}, max_len=64)

@@ -23,7 +23,7 @@ from needle.model import lora as lora_lib
 from needle.model.factory import module_for
 from needle.model.io import load_model, save_model
 from needle.model.needle3.export import export_needle
-from needle.model.needle3.sample import write_random_needle3
+from needle.model.needle3.random_model import write_random_needle3
 
 pytestmark = pytest.mark.slow
 ROUNDTRIP = Path(__file__).with_name("cactus_roundtrip.py")
@@ -84,7 +84,7 @@ def test_cactus_needle_reads_the_export_and_computes_needles_logits(tuned: dict[
 
 def test_export_refuses_a_model_of_another_family(tmp_path: Path) -> None:
     from needle.errors import ModelImportError
-    from needle.model.hf.sample import write_random_hf_model
+    from needle.model.hf.random_model import write_random_hf_model
 
     hf_dir = write_random_hf_model(tmp_path / "qwen", "qwen3", vocab_size=512)
     with pytest.raises(ModelImportError, match="Needle 3 models only"):

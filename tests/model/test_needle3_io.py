@@ -16,7 +16,7 @@ from needle.errors import ModelImportError
 from needle.model.factory import module_for
 from needle.model.io import load_model
 from needle.model.needle3.checkpoint import read_needle3_checkpoint, write_needle3_checkpoint
-from needle.model.needle3.sample import write_random_needle3
+from needle.model.needle3.random_model import write_random_needle3
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,7 @@ def test_packed_rows_give_the_logits_of_each_row_alone(cfg, make_tokens, family)
 def test_sample_model_shapes():
     """``needle sample-model --shape``: the presets are the real models' sizes; keys parse."""
     from needle.model.hf.config import hf_config_to_model_config
-    from needle.model.hf.sample import parse_shape, shape_config
+    from needle.model.hf.random_model import parse_shape, shape_config
 
     sizes = {"smollm2-135m": 134.5, "qwen3-0.6b": 596.0, "gemma3-270m": 268.1}
     for name, millions in sizes.items():

@@ -137,7 +137,7 @@ def _family(name: str, root: Path) -> tuple[Any, Any]:
         return Needle3Tokenizer.load(Path(__file__).parents[1] / "fixtures" / "needle3_format" / SP_MODEL_FILE), \
             Needle3Format()  # fmt: skip
     from needle.data.chat import format_for
-    from needle.model.hf.sample import FAMILIES, family_template, train_family_tokenizer
+    from needle.model.hf.random_model import FAMILIES, family_template, train_family_tokenizer
     from needle.tokenizers.load import load_tokenizer
 
     raw = train_family_tokenizer(FAMILY_ROWS, name, 400)

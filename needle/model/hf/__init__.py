@@ -1,2 +1,3 @@
 """Hugging Face models: ``config`` (config.json to ``ModelConfig``, hub snapshots), ``weights``
-(safetensors in), ``export`` (Hugging Face and PEFT out) and ``sample`` (small random models)."""
+(safetensors in), ``importer`` (``import_hf_model``), ``export`` (Hugging Face and PEFT out) and
+``random_model`` (small random models for tests and benchmarks)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from needle.config import ModelConfig, RopeScaling
+from needle.config import ModelConfig, RopeScaling, imported_max_len
 from needle.errors import ModelImportError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
@@ -54,12 +54,6 @@ class ModelSource:
 
     def as_meta(self) -> dict[str, Any]:
         return {"source": self.source, "revision": self.revision, "commit": self.commit}
-
-
-# The context an imported model is fine-tuned with unless max_len asks for more (up to the
-# model's own max_position_embeddings): tool-calling rows with a few tools fit, and batches,
-# KV caches and attention stay a size a single accelerator holds.
-IMPORTED_MAX_LEN = 2048
 
 
 def _read_config(path: Path) -> dict[str, Any] | None:
@@ -206,8 +200,8 @@ def _activation(hf: dict[str, Any], where: str) -> str:
 def hf_config_to_model_config(config_json: dict[str, Any] | str | Path, max_len: int | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face ``config.json`` (a dict, its path, or its directory).
 
-    ``max_len`` is the context needle trains and decodes with (default ``IMPORTED_MAX_LEN``), capped
-    by the model's ``max_position_embeddings``. The original
+    ``max_len`` is the context needle trains and decodes with (``needle.config.imported_max_len``:
+    default 2048, capped by the model's ``max_position_embeddings``). The original
     config travels along in ``ModelConfig.hf_config`` so an export writes it back.
     """
     where = "config.json"
@@ -232,7 +226,7 @@ def hf_config_to_model_config(config_json: dict[str, Any] | str | Path, max_len:
             preset=f"hf:{arch}", arch=arch, vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
             n_layers=n_layers, n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             head_dim=hf.get("head_dim") or None, d_ff=hf["intermediate_size"],
-            max_len=min(max_len or IMPORTED_MAX_LEN, hf.get("max_position_embeddings") or max_len or IMPORTED_MAX_LEN),
+            max_len=imported_max_len(max_len, hf.get("max_position_embeddings")),
             rope_theta=theta, rope_scaling=scaling, norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=hf.get("tie_word_embeddings", arch == "gemma3_text"), mlp_act=_activation(hf, where),
             layer_types=layer_types, sliding_window=hf.get("sliding_window") if sliding else None,

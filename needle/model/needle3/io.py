@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from needle.config import ModelConfig, Needle3Config
+from needle.config import ModelConfig, Needle3Config, imported_max_len
 from needle.errors import ModelImportError
 from needle.model.factory import LoadedModel, module_for
 from needle.model.hf.config import download_snapshot
@@ -41,8 +41,6 @@ SP_MODEL_FILE = "tokenizer.model"
 DEFAULT_CHECKPOINT = "needle3.safetensors"  # cactus-needle's DEFAULT_BASE names this file
 # What snapshot_download fetches of a Needle repository.
 ALLOW_PATTERNS = [f"{CHECKPOINTS_DIR}/*.safetensors", f"{TOKENIZER_DIR}/*", "*.safetensors", SP_MODEL_FILE]
-# The context a Needle 3 base is fine-tuned with unless max_len asks for more (up to max_seq_len).
-IMPORTED_MAX_LEN = 2048
 def is_needle3_source(spec: str | Path) -> bool:
     """True for a ``.safetensors`` file or a directory laid out as a Needle 3 hub repository."""
     p = Path(spec)
@@ -67,11 +65,9 @@ def needle3_config(raw: dict[str, Any], where: str) -> Needle3Config:
 
 
 def model_config_of(n3: Needle3Config, max_len: int | None = None) -> ModelConfig:
-    """needle's ``ModelConfig`` for a Needle 3 base: context ``max_len`` (default ``IMPORTED_MAX_LEN``), capped by the model's."""
-    limit = max_len or min(IMPORTED_MAX_LEN, n3.max_seq_len)
-    if limit > n3.max_seq_len:
-        raise ModelImportError(f"max_len {limit} exceeds the Needle 3 model's max_seq_len {n3.max_seq_len}")
-    return needle3_model_config(n3, limit)
+    """needle's ``ModelConfig`` for a Needle 3 base: context ``max_len`` (``needle.config.imported_max_len``:
+    default 2048, capped by the model's ``max_seq_len``)."""
+    return needle3_model_config(n3, imported_max_len(max_len, n3.max_seq_len))
 
 
 def find_checkpoint(root: Path) -> Path:
