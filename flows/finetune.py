@@ -28,6 +28,7 @@ from needle.gate import overlap_count
 from needle.pipeline import config_digest
 from needle.tracking.mlflow_tracker import MlflowTracker
 from needle.tracking.redaction import redact_logs
+from needle.train.loop import TrainResult
 from needle_flows import gate_record, run_record as rec
 from needle_flows.params import FinetuneParams
 from needle_flows.paths import resolve_source, state_dir, tracking_uri
@@ -108,7 +109,7 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
 
 
 def gate_and_register(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: MlflowTracker,
-                      tuned: pipeline.Trained, gate_rows: LoadedSource, run_dir: Path,
+                      tuned: TrainResult, gate_rows: LoadedSource, run_dir: Path,
                       tags: dict[str, Any], model_run_id: Optional[str] = None) -> tuple[Any, Any]:  # fmt: skip
     """Score the tuned model and the champion on the gate set, record the verdict in ``run``,
     register the version (from the ``model`` artifact of ``model_run_id``, default ``run``) with

@@ -29,6 +29,7 @@ from needle.tracking.mlflow_tracker import (
 )  # fmt: skip
 from needle.tracking.redaction import redact_uri
 from needle.tracking.tracker import Tracker
+from needle.train.loop import TrainResult
 from needle_flows.params import FinetuneParams
 from needle_flows.paths import CHECKOUT, state_dir
 from needle_flows.reaper import watch_ephemeral_server
@@ -226,7 +227,7 @@ def record_inputs(run: MlflowRun, tracker: Tracker, p: FinetuneParams, data_cfg:
 
 
 def record_results(run: MlflowRun, tracker: Tracker, base: pipeline.Base, prepared: pipeline.PreparedSet,
-                   tuned: pipeline.Trained, report: pipeline.Evaluation, run_dir: Path,
+                   tuned: TrainResult, report: pipeline.Evaluation, run_dir: Path,
                    exports: dict[str, Path]) -> dict[str, float]:
     """Final losses, eval metrics, artifacts, the loss plot and the example table; the eval metrics."""
     tracker.log_metrics({k: getattr(tuned, k) for k in ("train_loss", "val_loss", "wall_s", "tokens_per_s")

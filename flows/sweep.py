@@ -35,6 +35,7 @@ from needle.data.load import LoadedSource
 from needle.tracking.mlflow_tracker import MlflowTracker
 from needle.tracking.redaction import redact_logs, redact_uri
 from needle.train.launch import connect_ray, ray_address
+from needle.train.loop import TrainResult
 from needle_flows import run_record as rec
 from needle_flows.finetune import gate_and_register
 from needle_flows.params import FinetuneParams
@@ -243,7 +244,7 @@ def _child_run(parent: rec.MlflowRun, number: int, values: dict[str, Any]) -> re
 
 def run_trial(p: SweepParams, values: dict[str, Any], child: rec.MlflowRun, source: LoadedSource,
               hw: dict[str, Any], state: Path, trial_dir: Path,
-              cluster: Optional[ClusterConfig] = None) -> tuple[float, pipeline.Trained]:  # fmt: skip
+              cluster: Optional[ClusterConfig] = None) -> tuple[float, TrainResult]:  # fmt: skip
     """One trial in its child run: the finetune flow's stages, as library calls (trials run in
     threads; with a cluster, training runs on its Ray workers); returns the objective and the
     trained model. Any failure ends the child FAILED."""

@@ -137,9 +137,10 @@ def prepared_cache_dir() -> Path:
 
 def _train_summary(trained: Any, prepared: Any, mode: str, preset: str) -> dict[str, Any]:
     """What `needle train` prints and writes to summary.json."""
-    keys = ("model_dir", "train_loss", "val_loss", "wall_s", "tokens_per_s", "fingerprint")
+    keys = ("model_dir", "train_loss", "val_loss", "wall_s", "tokens_per_s")
     return {
-        **{k: getattr(trained, k) for k in keys}, "mode": mode, "preset": preset, "steps": trained.final_step,
+        **{k: getattr(trained, k) for k in keys}, "fingerprint": prepared.fingerprint, "mode": mode, "preset": preset,
+        "steps": trained.final_step,
         "data_stats": prepared.data.stats, "prepared_dir": str(prepared.directory),
     }  # fmt: skip
 

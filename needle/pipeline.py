@@ -43,9 +43,10 @@ from needle.tokenizers.native import Tokenizer, train_tokenizer
 from needle.tracking.tracker import NoopTracker, PrefixedTracker, Tracker
 from needle.train.finetune import run_training
 from needle.train.launch import TrainSpec, train_on_workers
+from needle.train.loop import TrainResult
 
 __all__ = [
-    "AutoBase", "Base", "Evaluation", "LoadedSource", "PreparedSet", "Registration", "Trained",
+    "AutoBase", "Base", "Evaluation", "PreparedSet",
     "load_data", "obtain_base", "prepare_data", "train", "evaluate", "decide_registration",
     "model_config", "config_digest", "replay_record", "auto_base_key", "score_models",
 ]  # fmt: skip
@@ -102,21 +103,6 @@ class Base:
         imported = self.loaded.meta.get("base") or {}
         return {"source": imported.get("source", self.model_dir), "revision": imported.get("revision"),
                 "arch": self.model_cfg.arch, "n_params": imported.get("n_params") or count_params(self.loaded.params)}
-
-
-@dataclass(frozen=True)
-class Trained:
-    """An exported model and how its training went (``params``: what was logged as params)."""
-
-    model_dir: str
-    final_step: int
-    train_loss: float | None
-    val_loss: float | None
-    wall_s: float
-    tokens_per_s: float
-    history: list[dict[str, Any]]
-    params: dict[str, Any]
-    fingerprint: str
 
 
 @dataclass(frozen=True)
@@ -226,7 +212,7 @@ def _auto_base(auto: AutoBase, state: Path, tracker: Tracker) -> Base:
             return cached
         prepared = prepare_data(auto.data, source, vocab_size=auto.model.vocab_size, cache_dir=state / "prepared")
         trained = train(prepared, auto.model, auto.train, auto.optim, out_dir=base_dir, tracker=tracker)
-        record = {"model_dir": trained.model_dir, "fingerprint": trained.fingerprint,
+        record = {"model_dir": trained.model_dir, "fingerprint": prepared.fingerprint,
                   "params": trained.params, "history": trained.history, "prepared_dir": str(prepared.directory)}
         marker.write_text(json.dumps(record, default=str))
     return Base("auto", trained.model_dir, load_model(trained.model_dir), cached=False, record=record)
@@ -278,12 +264,14 @@ def train(
     out_dir: str | Path,
     tracker: Tracker | None = None,
     cluster: ClusterConfig | None = None,
-) -> Trained:
+) -> TrainResult:
     """Train (scratch, or lora/full on ``base``) and export to ``out_dir/model``; resumes from
     ``out_dir``'s checkpoints when rerun with the same configs and data (a retry).
 
     ``cluster`` with more than one worker, or an address, trains on Ray workers as one program
-    (``needle/train/launch.py``); their params and metrics are logged here when it ends.
+    (``needle/train/launch.py``); their params and metrics are logged here when it ends. Returns
+    what training returns: ``run_training``'s ``TrainResult`` (``model_dir``, losses, history,
+    the logged ``params``), worker 0's on a cluster.
     """
     if cluster is not None and cluster.on_ray:
         result = _train_on_cluster(prepared, model_cfg, train_cfg, optim_cfg, lora_cfg, base, Path(out_dir), cluster)
@@ -295,11 +283,7 @@ def train(
             base=base.loaded if base is not None else None,
             out_dir=Path(out_dir), tracker=tracker,
         )  # fmt: skip
-    return Trained(
-        model_dir=str(result.model_dir), final_step=result.final_step, train_loss=result.train_loss,
-        val_loss=result.val_loss, wall_s=result.wall_s, tokens_per_s=result.tokens_per_s,
-        history=list(result.history), params=result.params, fingerprint=prepared.fingerprint,
-    )  # fmt: skip
+    return result
 
 
 def _train_on_cluster(

@@ -26,6 +26,7 @@ from needle.hardware import format_probe
 from needle.hardware import probe as probe_runtime
 from needle.model.export import export_run_model
 from needle.tracking.tracker import Tracker
+from needle.train.loop import TrainResult
 
 
 def transient_only(task: Task, task_run: TaskRun, state: State) -> bool:
@@ -57,7 +58,7 @@ def base(spec: str, preset: Optional[str], auto: pipeline.AutoBase, state_dir: P
 
 @task(name="finetune", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def finetune(prepared: pipeline.PreparedSet, base: pipeline.Base, train_cfg: TrainConfig, optim_cfg: OptimConfig,
-             lora: LoraConfig, out_dir: Path, tracker: Tracker, cluster: Optional[ClusterConfig] = None) -> pipeline.Trained:
+             lora: LoraConfig, out_dir: Path, tracker: Tracker, cluster: Optional[ClusterConfig] = None) -> TrainResult:
     """Fine-tune on the base (on Ray workers with a cluster); out_dir is fixed by data and configs, so a retry or re-run resumes it."""
     with pipeline.build_lock(out_dir, "fine-tune"):  # two flows on one state dir never train one folder at once
         return pipeline.train(prepared, base.model_cfg, train_cfg, optim_cfg, lora, base=base, out_dir=out_dir,
