@@ -249,6 +249,7 @@ def reexported_uses(paths: list[Path]) -> list[str]:
     modules = module_names()
     for folder, package in (("flows", "needle_flows"), ("tasks", "needle_tasks")):  # the shell, as installed
         modules.update({f"{package}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"})
+        modules[package] = ROOT / folder / "__init__.py"
     defined: dict[str, set[str]] = {}
 
     def defines(module: str, name: str) -> bool:
@@ -261,7 +262,10 @@ def reexported_uses(paths: list[Path]) -> list[str]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         as_module: dict[str, str] = {}  # local name -> a module imported as an object
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in (
+                    PACKAGE, "needle_flows", "needle_tasks") and node.module not in modules:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: no module {node.module}")
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
                 for alias in node.names:
                     if f"{node.module}.{alias.name}" in modules:
                         as_module[alias.asname or alias.name] = f"{node.module}.{alias.name}"

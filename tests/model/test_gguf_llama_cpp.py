@@ -197,7 +197,7 @@ def test_llama_cpps_chat_handler_shows_openai_tools_as_needle_trained(sample_dat
 
     from needle.data.chat import JinjaChatFormat, with_tool_listing
     from needle.data.load import load_source
-    from needle.model.hf_sample import family_template
+    from needle.model.hf.random_model import family_template
 
     specials = {"bos_token": "<bos>", "eos_token": "<eos>"}
     ours = JinjaChatFormat(family_template("gemma3"), specials)
