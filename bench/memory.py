@@ -1,6 +1,6 @@
 """Memory and speed of real model shapes (issue 20): LoRA training and decoding, old vs new paths.
 
-For each shape of ``needle.model.hf_sample.SHAPES`` (random weights: the 135M Llama shape
+For each shape of ``needle.model.hf.random_model.SHAPES`` (random weights: the 135M Llama shape
 ``smollm2-135m``, ``gemma3-270m``, ``qwen3-0.6b``) and each path, in its own process:
 
 * ``train``: LoRA (rank 16, every projection) on a batch of ``4 x 640`` random tokens, one

@@ -22,7 +22,7 @@ A prompt longer than ``max_len - max_new_tokens`` cannot fit a full-length answe
 the prompt whole and lets that row generate only ``max_len - len(prompt)`` tokens (counted in
 ``Generation.n_shrunk``). A prompt of ``max_len`` tokens or more is always an error (evaluation
 left-truncates those itself, with a count).
-With ``matchers`` (one grammar matcher or None per prompt, needle/serve/constrain.py), a batch that
+With ``matchers`` (one grammar matcher or None per prompt, needle/eval/constrain.py), a batch that
 holds a constrained row decodes on a host loop instead: one jitted prefill, then one jitted cached
 step per token; before each argmax the logits are masked on the device with the rows' bitmasks
 (``[rows, ceil(vocab/32)]`` int32, filled by the matchers in parallel on the host), and each
@@ -300,7 +300,7 @@ def generate_detailed(
     """Like :func:`generate`, also saying which rows finished and how many tokens were made.
 
     ``matchers`` (one per prompt, None for a free row) constrains decoding (module doc); it needs
-    ``constraints``, the ``needle.serve.constrain.Constraints`` that made them. ``prefix_cache``
+    ``constraints``, the ``needle.eval.constrain.Constraints`` that made them. ``prefix_cache``
     (a ``needle.serve.prefix_cache.PrefixCache`` of this model and params) supplies the keys and
     values of prompt prefixes it has seen, so only the rest of each prompt is prefilled, and
     keeps this call's prompts for later ones. ``on_token(i, id)`` is called as each token of
