@@ -84,7 +84,7 @@ def run_case(
 ) -> dict[str, Any]:  # fmt: skip
     """Compile and time one case; an out-of-memory error is the record's ``error``.
 
-    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat_policy=...``);
+    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat=...``);
     ``trace_dir``: two more steps under ``jax.profiler.trace`` (a Perfetto trace, bench/trace.py reads it)."""
     import jax
 
@@ -95,8 +95,8 @@ def run_case(
     from needle.model import lora as lora_lib
     from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
-    from needle.model.transformer import Transformer
-    from needle.train.finetune import make_apply_fn
+    from needle.model.decoder.transformer import Transformer
+    from needle.train.run import make_apply_fn
     from needle.train.step import create_state, train_step
 
     shape, mode, rows, seq = parse_case(case)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a BackendSettings field over the backend default, e.g. remat_policy=nothing_saveable")
+                    help="a BackendSettings field over the backend default, e.g. remat=nothing_saveable")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also trace two steps of each case (and a decoding pass) into DIR; summarise with bench.trace")

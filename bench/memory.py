@@ -12,7 +12,7 @@ For each shape of ``needle.model.hf.random_model.SHAPES`` (random weights: the 1
   device work (prefill + one jitted masked step per token on a host loop, with an all-allowed
   bitmask, so no grammar matcher's host time is counted): rows/s after a first compiling pass.
 
-``recompute`` is ``new`` with ``remat="recompute"`` (needle/model/recompute.py).
+``recompute`` is ``new`` with ``remat="recompute"`` (needle/model/decoder/recompute.py).
 ``old`` is the code before issue 20, selected by config (``needle.hardware.old_paths``: remat
 "none", attention "dense", loss_chunk 0, which also makes prefill form full ``[B, P, V]``
 logits); ``new`` is the backend's defaults (needle/hardware.py) and, on CPU, XLA's
@@ -72,7 +72,7 @@ def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     from needle.hardware import old_paths, settings_for, with_overrides
     from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
-    from needle.model.transformer import Transformer
+    from needle.model.decoder.transformer import Transformer
 
     cfg = hf_config_to_model_config(shape_config(shape), max_len=1024)
     settings = settings_for(jax.default_backend())
@@ -99,7 +99,7 @@ def child_train(shape: str, path: str, steps: int, watch: RssWatch) -> dict[str,
     from bench.flops import count_matmul_params
     from needle.config import OptimConfig
     from needle.model import lora as lora_lib
-    from needle.train.finetune import make_apply_fn
+    from needle.train.run import make_apply_fn
     from needle.train.step import create_state, train_step
 
     cfg, lora_cfg, model = _model(shape, path, lora=True)
@@ -125,7 +125,7 @@ def child_train(shape: str, path: str, steps: int, watch: RssWatch) -> dict[str,
                  + 4.0 * cfg.d_model * cfg.vocab_size)  # fmt: skip
     tokens = BATCH * SEQ
     return {
-        "settings": {k: getattr(model.settings, k) for k in ("remat_policy", "attention", "loss_chunk", "compute_dtype")},
+        "settings": {k: getattr(model.settings, k) for k in ("remat", "attention", "loss_chunk", "compute_dtype")},
         "params_m": (counts["n_mat"] + cfg.vocab_size * cfg.d_model) / 1e6, "first_step_s": first_s,
         "step_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s, "gflops": per_token * tokens / step_s / 1e9,
         "loss_first": loss0, "loss_last": float(metrics["loss"]), "peak_device_gb": _gb(_peak_device_bytes()),
@@ -158,7 +158,7 @@ def child_decode(shape: str, path: str, rows: int, trace_dir: str | None = None)
 
     from needle.eval.decode import _prefill_masked, _step_masked, generate_detailed
     from needle.model import lora as lora_lib
-    from needle.model.transformer import init_cache
+    from needle.model.decoder.transformer import init_cache
 
     cfg, _, model = _model(shape, path, lora=False)
     params = lora_lib.init_params(cfg, None, 0, model.settings)

@@ -77,7 +77,7 @@ def run_needle_style(preset: str, prepared: Any, tok: Any, *, epochs: int = 1, b
     """Train adapters the Needle way; per-step wall times (each ends in a host sync)."""
     from needle.config import model_preset
     from needle.model.io import load_model
-    from needle.model.transformer import Transformer
+    from needle.model.decoder.transformer import Transformer
 
     model_cfg = model_preset(preset)
     params = jax.device_put(load_model(ensure_base(preset, tok)).params)

@@ -114,7 +114,7 @@ def _first_step_time(uri: str, after_ms: int, timeout_s: float) -> tuple[str, fl
 
 
 def _prefect_times(env: dict[str, str], flow_run_id: str) -> dict[str, float]:
-    """Epoch seconds when the flow run started and when its finetune task run started."""
+    """Epoch seconds when the flow run started and when its train task run started."""
     script = f"""
 import asyncio, json
 from prefect.client.orchestration import get_client
@@ -123,8 +123,8 @@ async def main():
     async with get_client() as c:
         fr = await c.read_flow_run("{flow_run_id}")
         trs = await c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[fr.id])))
-        ft = [t.start_time.timestamp() for t in trs if t.name.startswith("finetune") and t.start_time]
-        print(json.dumps({{"flow_start": fr.start_time.timestamp(), "finetune_start": min(ft) if ft else None}}))
+        ft = [t.start_time.timestamp() for t in trs if t.name.startswith("train") and t.start_time]
+        print(json.dumps({{"flow_start": fr.start_time.timestamp(), "train_start": min(ft) if ft else None}}))
 asyncio.run(main())
 """
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -163,7 +163,7 @@ def measure_deployment(base: Path, steps: int) -> dict[str, Any]:
         finally:
             subprocess.run([str(REPO / "deployments" / "stack-down.sh")], env=env, capture_output=True)
     return {"deployment_to_running_s": times["flow_start"] - t0,
-            "deployment_to_finetune_task_s": (times["finetune_start"] - t0) if times["finetune_start"] else None,
+            "deployment_to_train_task_s": (times["train_start"] - t0) if times["train_start"] else None,
             "deployment_to_first_step_s": first_step - t0}
 
 

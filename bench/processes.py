@@ -71,7 +71,7 @@ def worker(coordinator: str, n: int, rank: int, spec: dict[str, Any], out: Path)
     from needle.data.prepare import load_cached
     from needle.model.lora import count_params
     from needle.train.distributed import ProcessGroup, initialize, is_primary
-    from needle.train.finetune import run_training
+    from needle.train.run import run_training
 
     initialize(ProcessGroup(coordinator, n, rank))
     loaded = load_cached(spec["prepared"])

@@ -2,7 +2,7 @@
 
 The step is the library's own (``needle.train.step.train_step`` jitted with the state donated,
 exactly as ``needle.train.loop`` does); batches come from the library's own plan
-(``needle.train.finetune.make_plans``: packed sequences of one length, unless ``packing=False``).
+(``needle.train.run.make_plans``: packed sequences of one length, unless ``packing=False``).
 
 FLOPs are *useful model* FLOPs: real (non-padding) tokens only, and attention over each token's
 own row (a packed row attends within its segment: the effective attention length is
@@ -45,7 +45,7 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     from needle.hardware import settings_for, with_overrides
     from needle.model import lora as lora_lib
     from needle.model.factory import module_for
-    from needle.train.finetune import initial_params, make_apply_fn
+    from needle.train.run import initial_params, make_apply_fn
     from needle.train.step import create_state
 
     train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
@@ -92,7 +92,7 @@ def run_window(state: Any, plan: Any, first: int, n: int, prebuilt: list | None 
 def make_plan(prepared: Any, tok: Any, model_cfg: Any, mode: str, batch_size: int, packing: bool = True) -> Any:
     """The training plan the library builds for these data (``make_plans``)."""
     from needle.config import TrainConfig
-    from needle.train.finetune import make_plans
+    from needle.train.run import make_plans
 
     train_cfg = TrainConfig(mode=mode, batch_size=batch_size, packing=packing, compilation_cache_dir=None)
     return make_plans(prepared, train_cfg, model_cfg.max_len, tok.pad_id, model_cfg)[0]

@@ -133,7 +133,7 @@ def task_library_run(spec: dict[str, Any]) -> dict[str, Any]:
     """Bare-library whole run on the cactus comparison's rows: prepare, train, export, evaluate."""
     from needle.config import EvalConfig, LoraConfig, OptimConfig, TrainConfig, model_preset
     from needle.eval.evaluate import evaluate_model
-    from needle.train.finetune import run_training
+    from needle.train.run import run_training
 
     jsonl = fixtures.ensure_jsonl(spec.get("rows"))
     tok = fixtures.load_tokenizer(jsonl, spec.get("vocab_size", 1024))

@@ -33,7 +33,7 @@ from needle_flows import gate_record, run_record as rec
 from needle_flows.params import FinetuneParams
 from needle_flows.paths import resolve_source, state_dir, tracking_uri
 from needle_tasks.stages import (
-    base, champion, evaluate, export, finetune, fingerprint, gate, prepare, probe, register, unchanged, validate,
+    base, champion, evaluate, export, fingerprint, gate, prepare, probe, register, train, unchanged, validate,
 )  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def run_stages(p: FinetuneParams, state: Path, run: rec.MlflowRun, tracker: Mlfl
     # the same inputs would hand back the old model with 0 steps, whatever made the user force it.
     if p.force:
         key = config_digest(key, "force", str(runtime.flow_run.id))
-    tuned = finetune(prepared, base_model, train_cfg, optim_cfg, p.lora, state / "finetune" / f"{p.mode}-{key}", tracker,
+    tuned = train(prepared, base_model, train_cfg, optim_cfg, p.lora, state / "finetune" / f"{p.mode}-{key}", tracker,
                      p.cluster)  # fmt: skip
     report = evaluate(base_model, tuned.model_dir, prepared, p.eval, run_dir / "eval")
     exports = export(tuned.model_dir, run_dir / "export")

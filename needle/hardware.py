@@ -42,14 +42,14 @@ REMAT_POLICIES = (
     "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
     "recompute",  # keep each block's input only, recompute in a custom VJP (model/recompute.py)
     # dots_saveable when the matmul outputs it keeps fit in half the device's memory for the
-    # batch at hand, else nothing_saveable (needle/model/transformer.py resolve_remat)
+    # batch at hand, else nothing_saveable (needle/model/decoder/transformer.py resolve_remat)
     "auto",
 )  # fmt: skip
 # "dense": one [B,H,T,T] float32 score tensor per layer (the old path); "blocked": query blocks
-# (needle/model/attention.py), never the full score matrix; "auto": cuDNN's fused kernel through
+# (needle/model/decoder/attention.py), never the full score matrix; "auto": cuDNN's fused kernel through
 # jax.nn.dot_product_attention where it serves (NVIDIA GPU, half precision, no soft cap, no
 # packing), blocked everywhere else.
-# "splash": Pallas splash attention (needle/model/splash.py), what "auto" takes on a TPU for the
+# "splash": Pallas splash attention (needle/model/decoder/splash.py), what "auto" takes on a TPU for the
 # shapes it accepts; asked for elsewhere it runs in the Pallas interpreter (tests).
 ATTENTION_PATHS = ("auto", "blocked", "dense", "splash")
 
@@ -87,7 +87,7 @@ class BackendSettings:
     compute_dtype: str  # activations and matmuls; master weights stay float32
     param_dtype: str  # stored (master) weights
     fused_attention: bool  # use jax.nn.dot_product_attention's fused path
-    remat_policy: str  # per-block rematerialisation policy (REMAT_POLICIES); "none": off
+    remat: str  # per-block rematerialisation policy (REMAT_POLICIES); "none": off
     scan_layers: bool  # the blocks as one lax.scan over the layer pattern's period (False: unrolled loop)
     attention: str = "blocked"  # ATTENTION_PATHS
     loss_chunk: int = 256  # tokens per chunk of the output layer + cross-entropy; 0: full [B,T,V] logits
@@ -96,17 +96,17 @@ class BackendSettings:
     residual_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(f"remat policy {self.remat_policy!r}; choose one of {list(REMAT_POLICIES)}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat policy {self.remat!r}; choose one of {list(REMAT_POLICIES)}")
         if self.attention not in ATTENTION_PATHS:
             raise ValueError(f"attention {self.attention!r}; choose one of {list(ATTENTION_PATHS)}")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
 
     @property
-    def remat(self) -> bool:
+    def rematerialises(self) -> bool:
         """Whether blocks are rematerialised at all."""
-        return self.remat_policy not in ("none", "everything_saveable")
+        return self.remat not in ("none", "everything_saveable")
 
 
 def settings_for(backend: str) -> BackendSettings:
@@ -114,11 +114,11 @@ def settings_for(backend: str) -> BackendSettings:
     b = backend.lower()
     if b == "metal":
         # The Metal plugin lacks fused attention and handles remat and scanned loops poorly.
-        return BackendSettings(b, "float32", "float32", fused_attention=False, remat_policy="none", scan_layers=False,
+        return BackendSettings(b, "float32", "float32", fused_attention=False, remat="none", scan_layers=False,
                                attention="blocked", loss_chunk=256)  # fmt: skip
     if b in GPU_BACKENDS or b == "tpu":
         # Plenty of memory for these model sizes: keep matmul outputs, recompute elementwise ops.
-        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat_policy="auto",
+        return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat="auto",
                                scan_layers=True, attention="auto", loss_chunk=1024,
                                residual_dtype="bfloat16")  # fmt: skip
     # CPU and anything unknown: float32; keep only each block's input and recompute the block in
@@ -126,7 +126,7 @@ def settings_for(backend: str) -> BackendSettings:
     # pipeline), logits in chunks of 256 tokens. 135M Llama shape, LoRA 4x640, 2026-12-04: peak
     # RSS 2.53 GB at 127.6 tokens/s, against 6.24 GB at 128.8 under dots_with_no_batch_dims_saveable.
     return BackendSettings(b, "float32", "float32", fused_attention=False,
-                           remat_policy="recompute", scan_layers=False,
+                           remat="recompute", scan_layers=False,
                            attention="blocked", loss_chunk=256)  # fmt: skip
 
 
@@ -142,7 +142,7 @@ def with_overrides(settings: BackendSettings, train_cfg: Any = None, **overrides
         if value is None and train_cfg is not None:
             value = getattr(train_cfg, key, None)
         if value is not None:
-            picked["remat_policy" if key == "remat" else key] = value
+            picked[key] = value
     return replace(settings, **picked) if picked else settings
 
 
@@ -200,7 +200,7 @@ def format_probe(info: dict[str, Any]) -> str:
     s = info["settings"]
     lines.append(
         f"Settings: compute {s['compute_dtype']}, params {s['param_dtype']}, "
-        f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat_policy']}, "
+        f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat']}, "
         f"attention {s['attention']}, loss chunk {s['loss_chunk'] or 'off'}"
     )
     if info["backend"] in GPU_BACKENDS:

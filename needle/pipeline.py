@@ -41,7 +41,7 @@ from needle.model.lora import count_params
 from needle.registry import Registration, decide_registration
 from needle.tokenizers.native import Tokenizer, train_tokenizer
 from needle.tracking.tracker import NoopTracker, PrefixedTracker, Tracker
-from needle.train.finetune import run_training
+from needle.train.run import run_training
 from needle.train.launch import TrainSpec, train_on_workers
 from needle.train.loop import TrainResult
 

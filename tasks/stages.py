@@ -56,8 +56,8 @@ def base(spec: str, preset: Optional[str], auto: pipeline.AutoBase, state_dir: P
     return pipeline.obtain_base(spec, preset=preset, auto=auto, state_dir=state_dir, tracker=tracker, max_len=max_len)
 
 
-@task(name="finetune", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def finetune(prepared: pipeline.PreparedSet, base: pipeline.Base, train_cfg: TrainConfig, optim_cfg: OptimConfig,
+@task(name="train", retries=1, retry_delay_seconds=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
+def train(prepared: pipeline.PreparedSet, base: pipeline.Base, train_cfg: TrainConfig, optim_cfg: OptimConfig,
              lora: LoraConfig, out_dir: Path, tracker: Tracker, cluster: Optional[ClusterConfig] = None) -> TrainResult:
     """Fine-tune on the base (on Ray workers with a cluster); out_dir is fixed by data and configs, so a retry or re-run resumes it."""
     with pipeline.build_lock(out_dir, "fine-tune"):  # two flows on one state dir never train one folder at once

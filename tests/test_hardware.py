@@ -35,7 +35,7 @@ def test_settings_per_backend(backend, dtype, fused, unrolled):
     assert s.fused_attention is fused
     assert s.scan_layers is (not unrolled)
     if backend == "metal":
-        assert s.remat is False
+        assert s.rematerialises is False
 
 
 def test_gpu_report_line():

@@ -326,14 +326,9 @@ def test_imports_inside_functions_say_why():
         "\n".join(found)
 
 
-# Modules that HOUSE_TODO.md moves into needle/model/decoder/ once the accelerator work is merged.
-PENDING_MOVE = {"needle/model": {"attention", "layers", "recompute", "scan", "splash", "transformer"}}
-
-
 def test_the_package_root_and_model_hold_at_most_eight_modules():
     for folder in ("needle", "needle/model"):
         modules = {p.stem for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
-        modules -= PENDING_MOVE.get(folder, set())
         assert len(modules) <= 8, (folder, sorted(modules))
 
 

@@ -99,7 +99,7 @@ class KillAtStep:
 
 @pytest.mark.slow
 def test_server_killed_mid_training_then_back(server: MlflowServer, tmp_path: Path) -> None:
-    from needle.train.finetune import run_training
+    from needle.train.run import run_training
 
     run_id = _new_run(server.uri)
     inner = MlflowTracker(run_id, server.uri, flush_every=1, flush_seconds=0.2, finish_timeout=180,

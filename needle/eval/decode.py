@@ -13,7 +13,7 @@ How it stays fast and compiles few programs:
   at least 16, at most the model's ``max_len``) and gets a cache of ``min(max_len, P +
   max_new_tokens)`` slots, so there is one compiled program per (batch, bucket) pair;
 - one jitted call prefills the whole bucket (ragged rows read their logits at ``n_b - 1``, see
-  needle/model/transformer.py: only those positions go through the output layer, and prefill
+  needle/model/decoder/transformer.py: only those positions go through the output layer, and prefill
   attention runs in query blocks) and then runs a ``lax.while_loop`` of one-token cached steps that
   stops as soon as every row has emitted a stop id or used its token budget.
 
@@ -53,8 +53,8 @@ import numpy as np
 from needle.data.batching import bucket_for
 from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
 from needle.model.lora import in_compute_dtype
-from needle.model.scan import layer_period, stack_layers
-from needle.model.transformer import Transformer, init_cache
+from needle.model.decoder.scan import layer_period, stack_layers
+from needle.model.decoder.transformer import Transformer, init_cache
 
 Overflow = Literal["error", "shrink"]
 StopIds = int | Sequence[int]
@@ -266,7 +266,7 @@ def _decode_host(
 
 def decoding_params(model: Transformer, params: Any) -> Any:
     """The weights as the decoding loop reads them: matrices in the compute dtype and, for a
-    scanned model, the blocks stacked (needle/model/scan.py), so no step re-stacks or re-casts them."""
+    scanned model, the blocks stacked (needle/model/decoder/scan.py), so no step re-stacks or re-casts them."""
     settings = getattr(model, "settings", None)
     if isinstance(model, Transformer) and settings is not None and settings.scan_layers:
         params = stack_layers(params, layer_period(model.cfg.resolved_layer_types()))

@@ -62,7 +62,7 @@ from needle.eval.turn_metrics import score_conversations, score_text_turns
 from needle.hardware import BackendSettings, settings_for
 from needle.model.factory import LoadedModel, module_for
 from needle.model.io import load_model
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 from needle.train.loss import model_loss_sum
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import BackendSettings
 from needle.model.needle3.architecture import Needle3Model
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 
 def module_for(cfg: ModelConfig, lora: LoraConfig | None = None, settings: BackendSettings | None = None) -> Any:

@@ -1,6 +1,6 @@
 """Parameter-tree utilities for LoRA and full fine-tuning: init, split/combine, merge, attach.
 
-Trees are the nested dicts of ``Transformer`` (see needle/model/transformer.py); LoRA leaves are
+Trees are the nested dicts of ``Transformer`` (see needle/model/decoder/transformer.py); LoRA leaves are
 the ``lora_a``/``lora_b`` siblings of a projection's ``kernel``.
 
     params = init_params(cfg, lora, jax.random.key(0))
@@ -22,7 +22,7 @@ from needle.config import LoraConfig, ModelConfig
 from needle.errors import CheckpointMismatchError
 from needle.hardware import BackendSettings
 from needle.model.factory import module_for
-from needle.model.scan import cast_matrices
+from needle.model.decoder.scan import cast_matrices
 
 Params = dict[str, Any]
 LORA_LEAVES = frozenset({"lora_a", "lora_b"})

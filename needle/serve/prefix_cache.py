@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from needle.model.transformer import init_cache
+from needle.model.decoder.transformer import init_cache
 
 
 @dataclass

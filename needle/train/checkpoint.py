@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 
 from needle.config import flatten_config
 from needle.errors import CheckpointDamagedError, CheckpointMismatchError
-from needle.model.scan import LAYERS, map_param_trees, stack_layers, unstack_layers
+from needle.model.decoder.scan import LAYERS, map_param_trees, stack_layers, unstack_layers
 from needle.train.step import TrainState, tree_all_finite
 
 log = logging.getLogger(__name__)

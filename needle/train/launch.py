@@ -28,7 +28,7 @@ from needle.config import ClusterConfig, LoraConfig, ModelConfig, OptimConfig, T
 from needle.data.prepare import load_cached
 from needle.errors import NeedleError
 from needle.train.distributed import ProcessGroup, free_port, initialize, is_primary
-from needle.train.finetune import run_training
+from needle.train.run import run_training
 
 log = logging.getLogger(__name__)
 

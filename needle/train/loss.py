@@ -8,7 +8,7 @@ runs under ``jax.checkpoint``, so the backward pass recomputes one chunk's logit
 instead of keeping any: peak memory for the output layer is ``chunk x V`` floats, not
 ``B x T x V``. The sum and its gradient equal the dense computation's to float32 rounding.
 
-Any model family plugs in through a pair of calls (the contract of needle/model/transformer.py):
+Any model family plugs in through a pair of calls (the contract of needle/model/decoder/transformer.py):
 ``apply(v, ids, positions, segment_ids=..., return_hidden=True) -> hidden [B, T, D]`` and
 ``apply(v, hidden_chunk, method="logits") -> float32 [..., V]``; :func:`model_loss_sum` does both.
 

@@ -16,7 +16,7 @@ batch (``needle.data.batching.PackedPlan``) adds ``positions`` and ``segment_ids
 passed on as ``apply_fn(trainable, frozen, inputs, positions=..., segment_ids=...)``; the loss
 stays the token-weighted mean over the mask, so it equals the loss of the same rows unpacked.
 
-When ``apply_fn`` carries its Flax module as ``apply_fn.model`` (``needle.train.finetune.ModelApply``)
+When ``apply_fn`` carries its Flax module as ``apply_fn.model`` (``needle.train.run.ModelApply``)
 and the module's ``settings.loss_chunk`` is positive, the loss never forms the ``[B, T, V]``
 logits: it takes the final hidden states (``return_hidden=True``) and computes the output layer
 and cross-entropy ``loss_chunk`` tokens at a time (needle/train/loss.py); equal to the dense

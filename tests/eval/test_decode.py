@@ -9,7 +9,7 @@ import pytest
 
 from needle.config import model_preset
 from needle.eval.decode import generate, generate_detailed, generate_uncached
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 END, PAD, NEW = 2, 0, 8
 

@@ -14,7 +14,7 @@ from needle.data.render import render_prompt
 from needle.data.schema import Row
 from needle.eval.decode import Generation, generate
 from needle.model.io import load_model
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 QUERIES = ["what time is it in Oslo", "hello there"]
 

@@ -11,7 +11,7 @@ import pytest
 
 from needle.config import LoraConfig, ModelConfig, model_preset
 from needle.model.lora import attach_base, init_params
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Blocked attention (needle/model/attention.py) equals the dense path: causal, GQA, packing's
+"""Blocked attention (needle/model/decoder/attention.py) equals the dense path: causal, GQA, packing's
 segment ids, sliding windows, the soft cap; and the model's blocked/dense paths agree."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from needle.hardware import settings_for
-from needle.model.attention import blocked_attention
-from needle.model.attention import softcapped_attention
-from needle.model.transformer import Transformer
+from needle.model.decoder.attention import blocked_attention
+from needle.model.decoder.attention import softcapped_attention
+from needle.model.decoder.transformer import Transformer
 
 
 def _qkv(b=2, t=23, h=4, kv=2, hd=8, seed=0):
@@ -74,7 +74,7 @@ def _gemma(cfg):
 def test_model_blocked_equals_dense_packed_and_prefill(cfg, make_tokens, family):
     """The model's attention="blocked" forward (packed rows) and cached prefill equal "dense"."""
     from needle.model.lora import init_params
-    from needle.model.transformer import init_cache
+    from needle.model.decoder.transformer import init_cache
 
     cfg = _gemma(cfg) if family == "gemma3_text" else cfg
     params = init_params(cfg, None, jax.random.key(1))

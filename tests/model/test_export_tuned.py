@@ -30,7 +30,7 @@ def _needle_logits(model_dir: Path) -> np.ndarray:
     import jax.numpy as jnp
 
     from needle.model.io import load_model
-    from needle.model.transformer import Transformer
+    from needle.model.decoder.transformer import Transformer
 
     m = load_model(model_dir)
     return np.asarray(Transformer(m.model_cfg).apply({"params": m.params}, jnp.asarray(IDS)))

@@ -27,7 +27,7 @@ from needle.model.hf.export import export_hf, export_peft, model_config_to_hf_co
 from needle.model.hf.weights import hf_key_map, load_hf_params
 from needle.model.io import load_model, save_model
 from needle.model.lora import attach_base, init_params, merge_lora
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 ARCHS = sorted(SPECS)
 

@@ -23,7 +23,7 @@ from needle.model.hf.config import hf_config_to_model_config
 from needle.model.hf.export import export_hf, export_peft
 from needle.model.hf.weights import load_hf_params
 from needle.model.lora import attach_base, init_params, merge_lora
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ from flax import traverse_util
 
 from needle.errors import CheckpointMismatchError
 from needle.model.io import load_model, save_model
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 from needle.tokenizers.native import Tokenizer, train_tokenizer
 
 

@@ -11,7 +11,7 @@ from flax import traverse_util
 from needle.config import LoraConfig
 from needle.errors import CheckpointMismatchError
 from needle.model.lora import attach_base, combine, count_params, merge_lora, split_trainable
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 
 def _flat(tree: dict) -> dict[str, np.ndarray]:
@@ -112,7 +112,7 @@ def test_grads_before_input_is_an_exact_identity_with_the_same_gradients():
     import jax
     import jax.numpy as jnp
 
-    from needle.model.recompute import grads_before_input
+    from needle.model.decoder.recompute import grads_before_input
 
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(0), 4)
     x = jax.random.normal(k1, (6, 8))
@@ -145,7 +145,7 @@ def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
     from needle.model import lora as lora_lib
     from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
-    from needle.model.transformer import Transformer
+    from needle.model.decoder.transformer import Transformer
 
     cfg = hf_config_to_model_config({**shape_config("smollm2-135m"), "num_hidden_layers": 2, "vocab_size": 512}, max_len=64)
     lcfg, base = LoraConfig(rank=4), settings_for("cpu")
@@ -155,7 +155,7 @@ def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
     segments = jnp.asarray([[1] * 20 + [2] * 12, [1] * 32], jnp.int32)
 
     def loss(tr, policy):
-        model = Transformer(cfg, lcfg, dataclasses.replace(base, remat_policy=policy))
+        model = Transformer(cfg, lcfg, dataclasses.replace(base, remat=policy))
         logits = model.apply({"params": lora_lib.combine(tr, frozen)}, ids, segment_ids=segments)
         return jnp.mean(logits**2)
 

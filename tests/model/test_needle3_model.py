@@ -29,7 +29,7 @@ from needle.model.needle3.architecture import Needle3Model
 from needle.model.needle3.checkpoint import (
     Needle3CheckpointError, needle3_model_config, read_needle3_checkpoint, write_needle3_checkpoint,
 )  # fmt: skip
-from needle.model.transformer import init_cache
+from needle.model.decoder.transformer import init_cache
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "needle3"
 NAMES = ("full", "plain", "odd", "bf16")

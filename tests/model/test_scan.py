@@ -17,10 +17,10 @@ import pytest
 from needle.config import LoraConfig
 from needle.hardware import settings_for
 from needle.model.lora import combine, init_params, split_trainable
-from needle.model.scan import layer_period
-from needle.model.transformer import Transformer, init_cache
+from needle.model.decoder.scan import layer_period
+from needle.model.decoder.transformer import Transformer, init_cache
 
-CPU = dataclasses.replace(settings_for("cpu"), remat_policy="none")
+CPU = dataclasses.replace(settings_for("cpu"), remat="none")
 SCAN = dataclasses.replace(CPU, scan_layers=True)
 
 
@@ -33,7 +33,7 @@ def _gemma(cfg):
 
 
 def test_auto_remat_keeps_matmul_outputs_only_where_they_fit(cfg, monkeypatch):
-    from needle.model import scan as transformer
+    from needle.model.decoder import scan as transformer
 
     monkeypatch.setattr(transformer, "device_memory_bytes", lambda: 16 * 2**30)
     assert transformer.resolve_remat("auto", cfg, 16 * 1024) == "dots_saveable"  # tiny model: a few MB
@@ -81,8 +81,8 @@ def test_scanned_gradients_equal_unrolled(cfg, make_tokens, mode, remat):
             return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 0])
         return jax.jit(jax.value_and_grad(f))(trainable)
 
-    ref_loss, ref_grads = loss(Transformer(cfg, lora, dataclasses.replace(CPU, remat_policy=remat)))
-    out_loss, out_grads = loss(Transformer(cfg, lora, dataclasses.replace(SCAN, remat_policy=remat)))
+    ref_loss, ref_grads = loss(Transformer(cfg, lora, dataclasses.replace(CPU, remat=remat)))
+    out_loss, out_grads = loss(Transformer(cfg, lora, dataclasses.replace(SCAN, remat=remat)))
     np.testing.assert_allclose(float(out_loss), float(ref_loss), rtol=1e-6)
     assert jax.tree.structure(out_grads) == jax.tree.structure(ref_grads)
     for a, b in zip(jax.tree.leaves(out_grads), jax.tree.leaves(ref_grads)):

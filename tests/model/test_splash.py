@@ -1,4 +1,4 @@
-"""Splash attention (needle/model/splash.py) equals blocked attention, forward and gradients.
+"""Splash attention (needle/model/decoder/splash.py) equals blocked attention, forward and gradients.
 
 The Pallas kernel runs under ``interpret=True`` here (CI has no TPU): the same kernel code, block
 skipping and masks included, run by the Pallas interpreter on the CPU. Shapes are the smallest the
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from needle.model.attention import blocked_attention
-from needle.model.splash import _kernel, splash_attention, splash_supported
+from needle.model.decoder.attention import blocked_attention
+from needle.model.decoder.splash import _kernel, splash_attention, splash_supported
 
 # float32: the kernel's online softmax and the reference's exact one differ only in rounding
 # (measured here <= 1e-6 forward, <= 5e-6 for gradients of size up to 8). bfloat16: q*scale is rounded

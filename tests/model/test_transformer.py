@@ -11,7 +11,7 @@ import pytest
 from flax import traverse_util
 
 from needle.hardware import settings_for
-from needle.model.transformer import Transformer, init_cache
+from needle.model.decoder.transformer import Transformer, init_cache
 
 
 def test_forward_shapes_names_and_finite(cfg, base_params, make_tokens, logits_of):
@@ -121,13 +121,13 @@ def test_bfloat16_compute_is_finite_and_close(cfg, base_params, make_tokens, log
 
 def test_remat_gives_same_logits(cfg, base_params, make_tokens, logits_of):
     tokens = make_tokens((1, 8))
-    cpu = dataclasses.replace(settings_for("cpu"), remat_policy="none")
+    cpu = dataclasses.replace(settings_for("cpu"), remat="none")
     ref = logits_of(Transformer(cfg, settings=cpu), base_params, tokens)
     for policy in ("everything", "dots_saveable", "dots_with_no_batch_dims_saveable"):
-        remat = logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, remat_policy=policy)), base_params, tokens)
+        remat = logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, remat=policy)), base_params, tokens)
         np.testing.assert_allclose(np.asarray(remat), np.asarray(ref), atol=1e-6)
     with pytest.raises(ValueError, match="remat policy"):
-        dataclasses.replace(cpu, remat_policy="sometimes")
+        dataclasses.replace(cpu, remat="sometimes")
 
 
 @pytest.mark.parametrize("family", ["needle", "gemma3_text"])

@@ -13,7 +13,7 @@ from needle.data.schema import Row
 from needle.eval.constrain import Constraints, ToolSchemaError, arguments_schema, grammar_for
 from needle.eval.decode import generate_detailed
 from needle.model.io import load_model
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 
 ENUM_TOOLS = [
     {"name": "set_mode", "description": "Set a mode",

@@ -19,7 +19,7 @@ from needle.model.factory import module_for
 from needle.model.io import load_model
 from needle.serve.engine import PREFIX_CACHE_ENV, Predictor, prefix_cache_mb_from_env
 from needle.serve.prefix_cache import PrefixCache, cache_axes
-from needle.model.transformer import init_cache
+from needle.model.decoder.transformer import init_cache
 from needle.serve.prompt import Request
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "needle3"

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_finetune import assert_same_params, flat_params
+from test_run import assert_same_params, flat_params
 from train_helpers import scratch_reference
 
 from needle.train.distributed import free_port
-from needle.train.finetune import run_training
+from needle.train.run import run_training
 
 WORKER = Path(__file__).with_name("train_worker.py")
 pytestmark = pytest.mark.slow

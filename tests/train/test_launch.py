@@ -11,12 +11,12 @@ from typing import Any
 
 import psutil
 import pytest
-from test_finetune import assert_same_params, flat_params
+from test_run import assert_same_params, flat_params
 from train_helpers import finetune_configs, tiny_prepared, tiny_tokenizer
 
 from needle.config import ClusterConfig
 from needle.data.prepare import save_cached
-from needle.train.finetune import run_training
+from needle.train.run import run_training
 from needle.train.launch import TrainSpec, WorkerFailedError, train_on_workers
 
 pytest.importorskip("ray")

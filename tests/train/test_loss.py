@@ -14,7 +14,7 @@ import pytest
 from needle.config import LoraConfig, model_preset
 from needle.hardware import settings_for
 from needle.model import lora as lora_lib
-from needle.model.transformer import Transformer, init_cache
+from needle.model.decoder.transformer import Transformer, init_cache
 from needle.train.loss import chunked_loss_sum, dense_loss_sum, model_loss_sum
 
 CPU = settings_for("cpu")
@@ -47,7 +47,7 @@ def _batch(b=2, t=11, vocab=96, packed=False, seed=0):
 def test_chunked_loss_and_grad_equal_dense(kind, packed):
     cfg = _cfg(kind)
     lora = LoraConfig(rank=2, alpha=4.0)
-    model = Transformer(cfg, lora, dataclasses.replace(CPU, remat_policy="none", attention="dense"))
+    model = Transformer(cfg, lora, dataclasses.replace(CPU, remat="none", attention="dense"))
     params = lora_lib.init_params(cfg, lora, 0)
     # Non-zero adapters so their gradient is not trivially tied to the base's.
     params = jax.tree.map(lambda x: x + 0.01, params)
@@ -80,7 +80,7 @@ def test_chunked_loss_sum_raw_function():
 
 def test_train_step_chunked_equals_dense():
     from needle.config import OptimConfig
-    from needle.train.finetune import make_apply_fn
+    from needle.train.run import make_apply_fn
     from needle.train.step import create_state, loss_and_grads
 
     cfg = _cfg("tied")

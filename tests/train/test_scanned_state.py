@@ -1,4 +1,4 @@
-"""A scanned model's train state keeps its blocks stacked (needle/model/scan.py stack_layers):
+"""A scanned model's train state keeps its blocks stacked (needle/model/decoder/scan.py stack_layers):
 the layout converts exactly, checkpoints keep the block_i layout and resume exactly, and the
 export equals the unrolled run's."""
 
@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from test_finetune import assert_same_params, flat_params
+from test_run import assert_same_params, flat_params
 from train_helpers import LORA, finetune_configs, tiny_prepared, tiny_tokenizer
 
 from needle.hardware import settings_for, with_overrides
-from needle.model.scan import LAYERS, cast_matrices, map_param_trees, stack_layers, unstack_layers
-from needle.train.finetune import build_state, run_training
+from needle.model.decoder.scan import LAYERS, cast_matrices, map_param_trees, stack_layers, unstack_layers
+from needle.train.run import build_state, run_training
 
 
 def _blocks(n: int) -> dict:

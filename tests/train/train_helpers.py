@@ -15,9 +15,9 @@ from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, mod
 from needle.data.batching import BatchPlan, PackedPlan
 from needle.data.prepare import PreparedData
 from needle.model import lora as lora_lib
-from needle.model.transformer import Transformer
+from needle.model.decoder.transformer import Transformer
 from needle.tokenizers.native import Tokenizer, train_tokenizer
-from needle.train.finetune import make_apply_fn
+from needle.train.run import make_apply_fn
 from needle.train.step import TrainState, create_state
 
 VOCAB = 64
@@ -108,7 +108,7 @@ def scratch_reference(tmp_path: Path, steps: int) -> tuple[Any, ...]:
 
     Returns ``(prepared, tok, data_dir, tok_dir, (model_cfg, train, optim), reference)``.
     """
-    from needle.train.finetune import run_training
+    from needle.train.run import run_training
 
     prepared, tok = tiny_prepared(), tiny_tokenizer()
     data_dir, tok_dir = prepared.save(tmp_path / "data"), tmp_path / "tok"

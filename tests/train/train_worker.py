@@ -26,7 +26,7 @@ from train_helpers import finetune_configs, make_plan, make_state, train_cfg
 from needle.data.prepare import PreparedData
 from needle.tokenizers.native import Tokenizer
 from needle.train.distributed import ProcessGroup, initialize
-from needle.train.finetune import run_training
+from needle.train.run import run_training
 from needle.train.loop import train
 from needle.train.sharding import fetch, make_mesh, shard_batch
 

@@ -32,7 +32,7 @@ table and mHC map goes through straight-through CQ at WEIGHT_BITS and ``quant`` 
 True, which is the reference's LoRA ``loss_fn`` (``cq_ste_params(merge_lora(...))`` with
 ``quant=True``). ``quant`` passed explicitly wins for activations.
 
-Call contract (as needle.model.transformer.Transformer): ``apply(vars, tokens[B,T] int32,
+Call contract (as needle.model.decoder.transformer.Transformer): ``apply(vars, tokens[B,T] int32,
 positions=None, decode=False, segment_ids=None, *, quant=None, return_hidden=False)``.
 ``segment_ids`` packs rows: attention, the q/k/v conv and the Engram n-grams and conv never read
 across a segment boundary, so with positions restarting per row a packed row's logits equal the
@@ -40,7 +40,7 @@ row's alone. The reference computes RoPE from the token index; ``positions`` gen
 
 Cached decoding follows Transformer's contract exactly (positions are cache slots; build the
 cache with ``model.init(rng, zeros((B, S)), decode=True)["cache"]`` or
-needle.model.transformer.init_cache). Cache collection layout: ``tokens/history [B, S]`` int32
+needle.model.decoder.transformer.init_cache). Cache collection layout: ``tokens/history [B, S]`` int32
 (the token ids, which the Engram hashes read), ``engrams_<i>/value_history [B, S, D]``, and per
 layer the attention caches documented in block.py.
 """
@@ -264,7 +264,7 @@ class Needle3Model(nn.Module):
         return bool(s is not None and s.fused_attention and s.backend in GPU_BACKENDS and jax.default_backend() in GPU_BACKENDS)
 
     def _remat(self) -> bool:
-        return bool(self.settings.remat) if self.settings is not None else bool(self.cfg.needle3.remat)
+        return bool(self.settings.rematerialises) if self.settings is not None else bool(self.cfg.needle3.remat)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, decode: bool = False,
                  segment_ids: jax.Array | None = None, *, quant: bool | None = None,

@@ -21,7 +21,7 @@ from needle.config import OptimConfig
 from needle.errors import CheckpointMismatchError, NonFiniteLossError
 from needle.model.io import load_model
 from needle.tracking.tracker import MemoryTracker as RecordingTracker
-from needle.train.finetune import run_training
+from needle.train.run import run_training
 
 WORKER = Path(__file__).with_name("train_worker.py")
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The dense and norm layers of needle's transformer (needle/model/transformer.py).
+"""The dense and norm layers of needle's transformer (needle/model/decoder/transformer.py).
 
 ``LoraDense`` is a bias-free (optionally biased) projection with an optional LoRA adapter, the
 adapter path ``(x·A)·B`` kept apart from ``x·W``; ``RMSNorm`` normalises in float32 with a learned
@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from needle.model.recompute import grads_before_input
+from needle.model.decoder.recompute import grads_before_input
 
 
 class LoraDense(nn.Module):

@@ -1,7 +1,7 @@
 """Causal attention in query blocks: never the full ``[B, H, T, T]`` score tensor.
 
 ``blocked_attention(q, k, v, ...)`` computes exactly what the dense path of
-needle/model/transformer.py computes (causal, grouped-query, optional sliding window, packing's
+needle/model/decoder/transformer.py computes (causal, grouped-query, optional sliding window, packing's
 segment ids, Gemma's attention soft cap), one block of ``block`` queries at a time. Each query
 block sees only the key range it can reach (``[start - window + 1, end)`` for a sliding window,
 ``[0, end)`` otherwise), so the scores held at once are ``[B, H, block, <= T]`` and the masked-out

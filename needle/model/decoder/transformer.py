@@ -5,7 +5,7 @@ RMSNorm -> gated MLP ``(SiLU(x·Wgate) * (x·Wup))·Wdown`` -> residual. A final
 output projection (the transposed embedding when ``cfg.tie_embeddings``) give float32 logits.
 
     from needle.config import model_preset
-    from needle.model.transformer import Transformer
+    from needle.model.decoder.transformer import Transformer
     model = Transformer(model_preset("tiny"))            # settings default: settings_for("cpu")
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     logits = model.apply({"params": params}, tokens)     # float32[B, T, V]
@@ -71,13 +71,13 @@ import numpy as np
 
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
-from needle.model.attention import blocked_attention, softcapped_attention
-from needle.model.layers import LoraDense, RMSNorm
-from needle.model.recompute import apply_recomputed
-from needle.model.scan import (
+from needle.model.decoder.attention import blocked_attention, softcapped_attention
+from needle.model.decoder.layers import LoraDense, RMSNorm
+from needle.model.decoder.recompute import apply_recomputed
+from needle.model.decoder.scan import (
     LAYERS, cast_matrices, layer_period, resolve_remat, scan_blocks, scan_remat_policy, stack_block_params,
 )
-from needle.model.splash import splash_attention, splash_supported
+from needle.model.decoder.splash import splash_attention, splash_supported
 
 # Short names of the projections as LoraConfig.targets spells them.
 _TARGET_OF = {
@@ -199,7 +199,7 @@ class Attention(_Layer):
         """Causal attention (``mask is None``), restricted to equal ``segment_ids`` (packed rows)
         when given, or attention under an explicit ``mask`` (decoding). ``settings.attention``
         picks the path: "dense" scores all ``[B, H, T, T]`` at once (the path before issue 20),
-        "blocked" goes through needle/model/attention.py, "auto" takes cuDNN where it serves."""
+        "blocked" goes through needle/model/decoder/attention.py, "auto" takes cuDNN where it serves."""
         cfg = self.cfg
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         path = self.settings.attention
@@ -216,7 +216,7 @@ class Attention(_Layer):
                 )
             return blocked_attention(
                 q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap, segment_ids=segment_ids,
-                checkpoint=not self.settings.remat,
+                checkpoint=not self.settings.rematerialises,
             )
         segment_mask = None
         if segment_ids is not None:  # packed rows: attend within the row only
@@ -390,8 +390,8 @@ class Transformer(nn.Module):
             x = self._scanned_layers(x, positions, segment_ids, decode, prefill, s)
         else:
             # Remat only matters under differentiation; decoding keeps the plain block.
-            block = Block if decode else remat_block(resolve_remat(s.remat_policy, cfg, b * t))
-            recompute = not decode and s.remat_policy == "recompute" and not self.is_initializing()
+            block = Block if decode else remat_block(resolve_remat(s.remat, cfg, b * t))
+            recompute = not decode and s.remat == "recompute" and not self.is_initializing()
             rdt = jnp.dtype(s.residual_dtype)
             for i, kind in enumerate(cfg.resolved_layer_types()):
                 layer = block(cfg, self.lora, s, decode, kind, prefill, name=f"block_{i}")
@@ -437,7 +437,7 @@ class Transformer(nn.Module):
                 self.variable("cache", "layers", lambda: zeros)
             return x
         params = self.variables["params"]
-        if LAYERS in params:  # kept stacked (a scanned train state: needle/model/scan.py stack_layers)
+        if LAYERS in params:  # kept stacked (a scanned train state: needle/model/decoder/scan.py stack_layers)
             layers = cast_matrices({LAYERS: params[LAYERS]}, dt)[LAYERS]
             stacked = [layers[str(j)] for j in range(period)]
         else:
@@ -449,7 +449,7 @@ class Transformer(nn.Module):
             x, new_cache = scan_blocks(blocks, stacked, x, positions, None, rdt, None, cache)
             self.put_variable("cache", "layers", new_cache)
             return x
-        policy = scan_remat_policy(resolve_remat(s.remat_policy, cfg, x.shape[0] * x.shape[1]))
+        policy = scan_remat_policy(resolve_remat(s.remat, cfg, x.shape[0] * x.shape[1]))
         x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, rdt, policy)
         return x
 

@@ -15,7 +15,7 @@ cast each projection makes anyway). The KV cache of a scanned model is stacked t
                for j in range(period)]
     x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, jnp.float32, policy)
 
-Used by needle/model/transformer.py (``BackendSettings.scan_layers``).
+Used by needle/model/decoder/transformer.py (``BackendSettings.scan_layers``).
 """
 
 from __future__ import annotations

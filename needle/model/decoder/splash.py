@@ -1,6 +1,6 @@
 """Causal attention through the Pallas TPU splash-attention kernel, same contract as blocked attention.
 
-``splash_attention(q, k, v, ...)`` computes what ``needle.model.attention.blocked_attention``
+``splash_attention(q, k, v, ...)`` computes what ``needle.model.decoder.attention.blocked_attention``
 computes (causal, grouped-query, optional sliding window, packing's segment ids, Gemma's attention
 soft cap) with ``jax.experimental.pallas.ops.tpu.splash_attention``: a flash-attention kernel that
 skips the key blocks the mask rules out entirely and, in the backward pass, recomputes the scores
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-from needle.model.attention import check_self_attention
+from needle.model.decoder.attention import check_self_attention
 
 _LANES = 128  # the kernel's tile width: T and every block size must be a multiple of it
 

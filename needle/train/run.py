@@ -10,7 +10,7 @@ with ``save_model``. The steps, each a function below: build the state, the resu
 (``resume_meta``), the batch plans, the logged params, train with checkpoint and metrics hooks
 (``train_with_checkpoints``), export.
 
-    from needle.train.finetune import run_training
+    from needle.train.run import run_training
     result = run_training(prepared, tok, model_cfg, train_cfg, optim_cfg, lora_cfg,
                           base_model_dir="runs/base/model", out_dir="runs/tuned")
 """
@@ -37,8 +37,8 @@ from needle.model import lora as lora_lib
 from needle.model.factory import LoadedModel, module_for
 from needle.model.io import load_model, save_model
 from needle.model.layout import TOKENIZER_FILES
-from needle.model.scan import layer_period, stack_layers, unstack_layers
-from needle.model.transformer import Transformer
+from needle.model.decoder.scan import layer_period, stack_layers, unstack_layers
+from needle.model.decoder.transformer import Transformer
 from needle.tokenizers.native import Tokenizer
 from needle.tracking.tracker import NoopTracker, Tracker
 from needle.train.checkpoint import Checkpointer, build_meta
