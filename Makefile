@@ -26,7 +26,7 @@ run: $(STAMP)
 	$(PY) -m needle_flows.cli finetune data/sample/new.jsonl --preset small --base auto
 
 test: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --timeout=900
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --timeout=900 --durations=30
 
 test-fast: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m "not slow"

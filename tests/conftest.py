@@ -58,3 +58,38 @@ def tiny_flow_params(sample_data: dict[str, Path]) -> dict[str, Any]:
         "train": {"log_every": 1, "checkpoint_every": 2},
         "eval": {"max_rows": 4, "batch_size": 4, "max_new_tokens": 8},
     }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs() -> Any:
+    """After each test module, drop JAX's compiled programs and collect garbage: one pytest process
+    runs the whole suite, and what every module compiled would otherwise stay resident to the end."""
+    yield
+    import gc
+    import sys
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
+
+
+CHILD_ENV = "NEEDLE_TEST_OWN_PROCESS"
+
+
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
+    """A test marked ``own_process`` runs in a fresh ``python -m pytest`` of its own node id: it
+    starts a Ray driver in its process, which outlives ``ray.shutdown`` there (its threads and
+    native state), and nothing of it should reach the tests that the suite's process runs after."""
+    import os
+    import subprocess
+    import sys
+
+    if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(CHILD_ENV) == "1":
+        return None
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", pyfuncitem.nodeid]
+    proc = subprocess.run(cmd, cwd=pyfuncitem.config.rootpath, env={**os.environ, CHILD_ENV: "1"},
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid} in its own process: exit {proc.returncode}\n{proc.stdout[-6000:]}\n"
+                    f"{proc.stderr[-3000:]}", pytrace=False)  # fmt: skip
+    return True

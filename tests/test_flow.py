@@ -167,6 +167,7 @@ def test_needle_train_and_the_flow_give_bit_equal_params(
     assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
 
 
+@pytest.mark.own_process  # the flow starts a Ray driver in its process: conftest.py
 def test_two_ray_workers_train_what_one_process_trains(
     flow_env: str, tiny_flow_params: dict[str, Any], sample_data: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -20,7 +20,7 @@ from needle.train.run import run_training
 from needle.train.launch import TrainSpec, WorkerFailedError, train_on_workers
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_process]  # a Ray driver: conftest.py
 
 
 def _spec(tmp_path: Path, steps: int, out: str, **train: Any) -> tuple[TrainSpec, Any]:
