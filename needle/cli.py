@@ -59,6 +59,17 @@ def megabytes(text: str) -> float:
     return value
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (``{"scan_layers": true}``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"is not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
     """A directory that can be created or reused: refuse a file (or a file on its path) before any work."""
     out = Path(path)
@@ -110,6 +121,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     scratch = args.mode == "scratch"
     _check_base(args.mode, args.base)  # argument mistakes fail before any file is read or written
+    try:
+        train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size,
+                                                seed=args.seed, train=args.train, optim=args.optim)  # fmt: skip
+    except ValueError as exc:  # pydantic's ValidationError: an unknown key or a bad value
+        errors = getattr(exc, "errors", None)
+        reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()) if errors else str(exc)
+        raise UsageError(f"--train/--optim: {reason}") from None
     out = check_out_dir(args.out)
     source = pipeline.load_data(args.data, args.on_error)  # bad rows fail before any model loads
     base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset, max_len=args.max_len)
@@ -117,7 +135,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     data_cfg = data_config(args.data, model_cfg, args.max_len, args.on_error)
     prepared = pipeline.prepare_data(data_cfg, source, tokenizer=base.tokenizer if base else None,
                                      vocab_size=model_cfg.vocab_size, cache_dir=prepared_cache_dir())
-    train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size, seed=args.seed)
     lora_cfg = lora_config(args.mode, {k: v for k, v in (('rank', args.lora_rank), ('alpha', args.lora_alpha),
                                                           ('targets', args.lora_targets)) if v is not None})
     cluster = ClusterConfig(workers=args.workers, address=args.ray, devices_per_worker=args.devices_per_worker)
@@ -285,6 +302,10 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=["fail", "drop"], default="fail", help="bad rows: fail, or drop and report")
+    p.add_argument("--train", type=json_object, default=None, metavar="JSON",
+                   help='TrainConfig keys, as the flow\'s `train` parameter (e.g. \'{"scan_layers": true}\')')
+    p.add_argument("--optim", type=json_object, default=None, metavar="JSON",
+                   help='OptimConfig keys, as the flow\'s `optim` parameter (e.g. \'{"lr": 1e-4}\')')
     p.add_argument("--workers", type=positive_int, default=1,
                    help="train as one program on N Ray workers (default 1: in this process)")
     p.add_argument("--ray", default=None, metavar="ADDRESS",

@@ -47,12 +47,16 @@ def _cases(tmp_path: Path, out: Path) -> dict[str, tuple[list[str], str]]:
         "evaluate max-rows 0": (["evaluate", "/nonexistent", NEW, "--max-rows", "0"], "must be a positive integer"),
         "evaluate out is a file": (["evaluate", "/nonexistent", NEW, "--out", str(a_file)], "is a file, not a directory"),
         "unknown flag": (["train", NEW, "--out", str(out), "--stpes", "3"], "unrecognized arguments"),
+        "train key unknown": (["train", NEW, "--out", str(out), "--mode", "scratch", "--train", '{"scan_layrs": true}'],
+                              "--train/--optim: scan_layrs: Extra inputs are not permitted"),
+        "optim not json": (["train", NEW, "--out", str(out), "--mode", "scratch", "--optim", "{lr: 1}"],
+                           "--optim: is not valid JSON"),
     }
 
 
 CASES = ["lora without base", "steps 0", "out is a file", "out under a file", "base missing", "scratch with base",
          "params not json", "params a list", "finetune steps 0", "predict tools dir", "evaluate max-rows 0",
-         "evaluate out is a file", "unknown flag"]  # fmt: skip
+         "evaluate out is a file", "unknown flag", "train key unknown", "optim not json"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,3 +120,14 @@ def test_train_refused_for_other_data_leaves_out_as_it_was(tmp_path: Path) -> No
     err = proc.stderr.decode()
     assert proc.returncode == 2 and "fingerprint" in err and "Traceback" not in err, err[-2000:]
     assert _tree(out) == before
+
+
+def test_train_and_optim_json_set_what_the_flow_can(sample_data: dict[str, Path], tmp_path: Path, capsys) -> None:
+    """`needle train --train/--optim` reach TrainConfig and OptimConfig as the flow's `train` and
+    `optim` parameters do: the run takes their steps and batch size."""
+    out = tmp_path / "out"
+    argv = ["train", str(sample_data["new"]), "--out", str(out), "--mode", "scratch", "--preset", "tiny",
+            "--train", '{"steps": 2, "batch_size": 4, "log_every": 1}', "--optim", '{"lr": 0.001, "warmup_steps": 0}']
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
