@@ -375,15 +375,9 @@ def _forward(model: Transformer, params: Any, tokens: jax.Array) -> jax.Array:
 
 
 def generate_uncached(
-    model: Transformer,
-    params: Any,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    end_id: StopIds,
-    pad_id: int,
-    overflow: Overflow = "error",
-) -> list[list[int]]:
+    model: Transformer, params: Any, prompts: list[list[int]], *, max_new_tokens: int, end_id: StopIds,
+    pad_id: int, overflow: Overflow = "error",
+) -> list[list[int]]:  # fmt: skip
     """Reference greedy decoding: one full causal forward pass over the whole prefix per token."""
     _check_prompts(model, prompts, max_new_tokens, overflow)
     stops = set(stop_array(end_id).tolist())

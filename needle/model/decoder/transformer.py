@@ -331,6 +331,23 @@ def remat_block(policy: str) -> type[Block]:
     return nn.remat(Block, policy=getattr(jax.checkpoint_policies, policy))
 
 
+def checked_positions(tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None,
+                      decode: bool) -> jax.Array:  # fmt: skip
+    """The call contract's checks on a model's inputs (this module's and Needle 3's): tokens
+    ``int32[B, T]``, positions and segment ids of their shape, no segment ids when decoding. Returns
+    the positions, ``0..T-1`` on every row when none are given."""
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    elif positions.shape != tokens.shape:
+        raise ValueError(f"positions shape {positions.shape} differs from tokens shape {tokens.shape}")
+    if segment_ids is not None and (decode or segment_ids.shape != tokens.shape):
+        raise ValueError(f"segment_ids need tokens' shape {tokens.shape} and no decode, got {segment_ids.shape}")
+    return positions
+
+
 def output_logits(cfg: ModelConfig, dtype: Any, x: jax.Array, w: jax.Array) -> jax.Array:
     """Float32 logits ``[..., V]`` of final hidden states ``x[..., D]`` through ``w[D, V]`` (soft cap applied)."""
     logits = jnp.einsum("...d,dv->...v", x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
@@ -366,16 +383,9 @@ class Transformer(nn.Module):
     ) -> jax.Array:  # fmt: skip
         cfg = self.cfg
         s = self.settings or settings_for("cpu")
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
-        b, t = tokens.shape
         prefill = decode and positions is None
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        elif positions.shape != tokens.shape:
-            raise ValueError(f"positions shape {positions.shape} differs from tokens shape {tokens.shape}")
-        if segment_ids is not None and (decode or segment_ids.shape != tokens.shape):
-            raise ValueError(f"segment_ids need tokens' shape {tokens.shape} and no decode, got {segment_ids.shape}")
+        positions = checked_positions(tokens, positions, segment_ids, decode)
+        b, t = tokens.shape
         dt, pdt = jnp.dtype(s.compute_dtype), jnp.dtype(s.param_dtype)
         # Lookups stay in the master dtype: the residual stream is float32.
         embed = nn.Embed(

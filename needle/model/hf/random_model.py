@@ -56,6 +56,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 FAMILY_OF_ARCH = {"qwen3": "qwen3", "qwen2": "qwen3", "llama": "llama3", "gemma3_text": "gemma3"}
 
+# Qwen/Qwen3-0.6B's keys, which Qwen3-1.7B shares but for its width.
+_QWEN3_06B = dict(
+    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+)  # fmt: skip
+
 # Real models' shapes (their config.json keys; weights random): the benchmark's memory section
 # (bench/memory.py) and ``needle sample-model --shape NAME``.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -66,17 +73,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
     ),
     # Qwen/Qwen3-0.6B
-    "qwen3-0.6b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-    ),
+    "qwen3-0.6b": _QWEN3_06B,
     # Qwen/Qwen3-1.7B
-    "qwen3-1.7b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-    ),
+    "qwen3-1.7b": dict(_QWEN3_06B, hidden_size=2048, intermediate_size=6144),
     # google/gemma-3-270m: five sliding-window (512) layers to one global layer.
     "gemma3-270m": dict(
         model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,

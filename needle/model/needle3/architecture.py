@@ -58,8 +58,9 @@ import numpy as np
 
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings
+from needle.model.decoder.transformer import checked_positions
 from needle.model.needle3 import quantize as qz
-from needle.model.needle3.block import LORA_PROJECTIONS, ScanBody, head_dims
+from needle.model.needle3.block import LORA_PROJECTIONS, Needle3Module, ScanBody, head_dims
 from needle.model.needle3.layers import (
     ENGRAM_CONV_TAPS, Engram, ZCRMSNorm, act_quant, default_init, history, mask_diag, res_identity_init, shift_right,
 )  # fmt: skip
@@ -166,13 +167,9 @@ class ProbeHead(nn.Module):
             self.param("bias", jinit.constant(-10.0), ())
 
 
-class Stack(nn.Module):
+class Stack(Needle3Module):
     """mHC lanes around the scanned layers, then lane mean and the final norm."""
 
-    cfg: Any
-    dtype: Any
-    lora: Any = None
-    qat: bool = False
     fused: bool = False
     remat: bool = False
 
@@ -271,15 +268,8 @@ class Needle3Model(nn.Module):
                  return_hidden: bool = False) -> jax.Array:  # fmt: skip
         cfg, dt = self.n3, self.dt
         quant = self.use_qat if quant is None else bool(quant)
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be int32[B, T], got shape {tokens.shape}")
-        b, t = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        elif positions.shape != tokens.shape:
-            raise ValueError(f"positions shape {positions.shape} differs from tokens shape {tokens.shape}")
-        if segment_ids is not None and (decode or segment_ids.shape != tokens.shape):
-            raise ValueError(f"segment_ids need tokens' shape {tokens.shape} and no decode, got {segment_ids.shape}")
+        positions = checked_positions(tokens, positions, segment_ids, decode)
+        t = tokens.shape[1]
         if self.is_initializing():  # a trained checkpoint has the probe heads: create them
             self.embedding_head()
             self.confidence_head()

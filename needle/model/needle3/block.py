@@ -40,16 +40,25 @@ def head_dims(cfg: Any) -> tuple[int, int]:
     return cfg.qk_head_dim or legacy, cfg.v_head_dim or legacy
 
 
-class MultiHeadAttention(nn.Module):
-    """Gated GQA with q/k/v causal conv taps, zero-centred q/k norms and RoPE."""
+class Needle3Module(nn.Module):
+    """The settings every module of Needle 3's layer stack carries, in its constructors' positional order."""
 
     cfg: Any  # Needle3Config
     dtype: Any
     lora: Any = None  # LoraConfig | None
     qat: bool = False
+
+
+class LayerModule(Needle3Module):
+    """A layer's modules also carry the call's numerics (``quant``), cache use (``decode``) and ``fused``."""
+
     quant: bool = False
     decode: bool = False
     fused: bool = False  # cuDNN attention allowed (GPU, half precision)
+
+
+class MultiHeadAttention(LayerModule):
+    """Gated GQA with q/k/v causal conv taps, zero-centred q/k norms and RoPE."""
 
     def dense(self, name: str, features: int, init: Any) -> Dense:
         lora = self.lora
@@ -138,16 +147,8 @@ class MultiHeadAttention(nn.Module):
         return self.dense("out_proj", cfg.d_model, residual_init(cfg.num_layers))(out)
 
 
-class Block(nn.Module):
+class Block(LayerModule):
     """Engram read-in, gated attention with post-norm, then the Hadamard MLP (both residual)."""
-
-    cfg: Any
-    dtype: Any
-    lora: Any = None
-    qat: bool = False
-    quant: bool = False
-    decode: bool = False
-    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array, rope: Any, positions: Any, tap_ok: list, engram_kv: Any,
@@ -171,17 +172,9 @@ class Block(nn.Module):
         return skip + x
 
 
-class ScanBody(nn.Module):
+class ScanBody(LayerModule):
     """One layer under ``nn.scan``: picks the layer's mask (global or sliding), then the mHC update
     ``lanes <- H_res·lanes + H_post ⊗ (block(H_pre·lanes) - H_pre·lanes)`` of the reference."""
-
-    cfg: Any
-    dtype: Any
-    lora: Any = None
-    qat: bool = False
-    quant: bool = False
-    decode: bool = False
-    fused: bool = False
 
     @nn.compact
     def __call__(self, carry: jax.Array, xs: Any, mask: jax.Array, local_mask: Any, rope: Any, engram_kv: Any,
