@@ -278,28 +278,40 @@ def dataset_schema(features: Any) -> Any:
     return Schema([ColSpec(types[f.dtype], name) for name, f in features.items()])
 
 
-def plot_losses(histories: dict[str, list[dict[str, Any]]], path: Path) -> Path:
-    """A loss-curve PNG: train (and validation) loss against step for each training stage."""
+def new_plot() -> tuple[Any, Any]:
+    """A figure and its axes for a run's PNG plots, drawn off screen (matplotlib's Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, history in histories.items():
-        steps = [r["step"] for r in history if "loss" in r]
-        ax.plot(steps, [r["loss"] for r in history if "loss" in r], label=f"{label} train")
-        val = [(r["step"], r["val_loss"]) for r in history if r.get("val_loss") is not None]
-        if val:
-            ax.plot(*zip(*val), "o--", label=f"{label} val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    return plt.subplots(figsize=(7, 4))
+
+
+def save_plot(fig: Any, ax: Any, xlabel: str, ylabel: str, path: Path) -> Path:
+    """Label, legend and grid the axes, write the figure to ``path`` as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend()
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def plot_losses(histories: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    """A loss-curve PNG: train (and validation) loss against step for each training stage."""
+    fig, ax = new_plot()
+    for label, history in histories.items():
+        steps = [r["step"] for r in history if "loss" in r]
+        ax.plot(steps, [r["loss"] for r in history if "loss" in r], label=f"{label} train")
+        val = [(r["step"], r["val_loss"]) for r in history if r.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), "o--", label=f"{label} val")
+    return save_plot(fig, ax, "step", "loss", path)
 
 
 def log_example_table(client: Any, run_id: str, examples_jsonl: Path, artifact_file: str) -> None:

@@ -292,14 +292,9 @@ def _trial_rows(study: Any, results: dict[int, dict[str, Any]]) -> list[dict[str
 
 def plot_objective(trials: list[dict[str, Any]], objective: str, path: Path) -> Path:
     """The objective of each trial (failed trials marked on the axis) and the best so far."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     done = [(t["trial"], t["value"]) for t in trials if t["value"] is not None]
     failed = [t["trial"] for t in trials if t["value"] is None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = rec.new_plot()
     if done:
         xs, ys = zip(*done)
         ax.plot(xs, ys, "o", label=objective)
@@ -309,11 +304,4 @@ def plot_objective(trials: list[dict[str, Any]], objective: str, path: Path) -> 
     if failed:
         y0 = min((v for _, v in done), default=0.0)
         ax.plot(failed, [y0] * len(failed), "x", color="red", label="failed")
-    ax.set_xlabel("trial")
-    ax.set_ylabel(objective)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return rec.save_plot(fig, ax, "trial", objective, path)
