@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from needle.config import LoraConfig, OptimConfig
+from needle.hardware import prepare_platform_env, settings_for
+from needle.model.hf.config import hf_config_to_model_config
+
 REPO = Path(__file__).resolve().parents[1]
 SHAPE_OF = {"135m": "smollm2-135m", "270m": "gemma3-270m", "0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b"}
 DEFAULT_CASES = (
@@ -88,12 +92,10 @@ def run_case(
     ``trace_dir``: two more steps under ``jax.profiler.trace`` (a Perfetto trace, bench/trace.py reads it)."""
     import jax
 
+    # lazy: jax and the model code load only after main() has run prepare_platform_env
     from bench.flops import count_matmul_params
     from bench.memory import _peak_device_bytes, timed_steps
-    from needle.config import LoraConfig, OptimConfig
-    from needle.hardware import settings_for
     from needle.model import lora as lora_lib
-    from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
     from needle.model.decoder.transformer import Transformer
     from needle.train.run import make_apply_fn
@@ -170,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also trace two steps of each case (and a decoding pass) into DIR; summarise with bench.trace")
     args = ap.parse_args(argv)
-    from needle.hardware import prepare_platform_env
 
     prepare_platform_env()
     import jax

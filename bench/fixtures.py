@@ -12,6 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from needle.config import DataConfig, model_preset
+from needle.data.sample import write_sample
+from needle.tokenizers.native import Tokenizer, train_tokenizer
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "bench"
 SAMPLE = REPO / "data" / "sample" / "new.jsonl"
@@ -21,8 +25,6 @@ def ensure_jsonl(n_rows: int | None = None) -> Path:
     """``data/sample/new.jsonl`` (generated under .cache/bench when absent), or its first rows."""
     source = SAMPLE
     if not source.exists():
-        from needle.data.sample import write_sample
-
         source = CACHE / "data" / "new.jsonl"
         if not source.exists():
             write_sample(source.parent, seed=0)
@@ -40,9 +42,9 @@ def ensure_jsonl(n_rows: int | None = None) -> Path:
 
 def load_tokenizer(jsonl: Path, vocab_size: int) -> Any:
     """A byte-level BPE trained on the rows (cached per source file and vocabulary size)."""
+    # lazy: bench.run's parent imports this module; only the sections that prepare data load datasets
     from needle.data.load import read_rows
     from needle.data.prepare import collect_texts
-    from needle.tokenizers.native import Tokenizer, train_tokenizer
 
     tok_dir = CACHE / f"tokenizer-{jsonl.stem}-{vocab_size}"
     if (tok_dir / "tokenizer.json").exists():
@@ -54,7 +56,7 @@ def load_tokenizer(jsonl: Path, vocab_size: int) -> Any:
 
 def prepare(jsonl: Path, tok: Any, max_len: int = 256, val_fraction: float = 0.1, test_fraction: float = 0.1) -> Any:
     """Prepared splits of ``jsonl`` (not cached: preparing is itself one of the measurements)."""
-    from needle.config import DataConfig
+    # lazy, as in load_tokenizer
     from needle.data.prepare import prepare_dataset
 
     # Over-long rows are dropped (and counted in the stats), as a user would run these data.
@@ -65,8 +67,8 @@ def prepare(jsonl: Path, tok: Any, max_len: int = 256, val_fraction: float = 0.1
 
 def ensure_base(preset: str, tok: Any) -> Path:
     """A random-init base model of ``preset`` exported like a trained one (for lora/full runs)."""
+    # lazy: bench.run imports this module before its main() sets JAX_PLATFORMS
     import jax
-    from needle.config import model_preset
     from needle.model import lora as lora_lib
     from needle.model.io import save_model
 

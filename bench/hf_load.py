@@ -27,6 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from needle.model.hf.config import hf_config_to_model_config
+from needle.model.hf.weights import expected_shapes, load_hf_params
+from needle.model.io import load_model
+
 RESULTS = Path(__file__).parent / "results" / "hf_load.json"
 
 
@@ -50,9 +54,6 @@ def _random_bf16(n: int, rng: np.random.Generator) -> bytes:
 def write_checkpoint(out: Path, n_layers: int, seed: int = 0) -> tuple[int, int]:
     """Write config.json, model.safetensors (bf16, streamed tensor by tensor), tokenizer; return
     (n_params, file bytes)."""
-    from needle.model.hf.config import hf_config_to_model_config
-    from needle.model.hf.weights import expected_shapes
-
     out.mkdir(parents=True, exist_ok=True)
     config = qwen3_config(n_layers)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -100,9 +101,6 @@ def measure(model_dir: str, what: str) -> dict:
     import jax.numpy as jnp
 
     jnp.zeros(1).block_until_ready()  # backend up before the baseline
-    from needle.model.hf.config import hf_config_to_model_config
-    from needle.model.hf.weights import load_hf_params
-    from needle.model.io import load_model
 
     base_mb = _rss_mb()
     t0 = time.perf_counter()

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import write_result
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SHAPES = ("smollm2-135m", "gemma3-270m", "qwen3-0.6b")
 BATCH, SEQ, LORA_RANK = 4, 640, 16
@@ -68,6 +70,7 @@ class RssWatch:
 def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     import jax
 
+    # lazy: jax loads after main() sets JAX_PLATFORMS, the model code after RssWatch takes the start RSS
     from needle.config import LoraConfig
     from needle.hardware import old_paths, settings_for, with_overrides
     from needle.model.hf.config import hf_config_to_model_config
@@ -96,6 +99,7 @@ def child_train(shape: str, path: str, steps: int, watch: RssWatch) -> dict[str,
     import jax.numpy as jnp
     import numpy as np
 
+    # lazy, as in _model
     from bench.flops import count_matmul_params
     from needle.config import OptimConfig
     from needle.model import lora as lora_lib
@@ -156,6 +160,7 @@ def child_decode(shape: str, path: str, rows: int, trace_dir: str | None = None)
     import jax.numpy as jnp
     import numpy as np
 
+    # lazy, as in _model
     from needle.eval.decode import _prefill_masked, _step_masked, generate_detailed
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
@@ -216,6 +221,7 @@ def run_child(kind: str, shape: str, path: str, args: argparse.Namespace) -> dic
                "--steps", str(args.steps), "--rows", str(args.rows), "--rss-limit-gb", str(args.rss_limit_gb)]  # fmt: skip
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         if path in ("new", "recompute"):  # the new path's environment: XLA's memory-aware CPU scheduler
+            # lazy, as in _model: each child imports this module before its RssWatch starts
             from needle.hardware import cpu_xla_flags
 
             env["XLA_FLAGS"] = cpu_xla_flags(env.get("XLA_FLAGS", ""))
@@ -325,11 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, shape, path, out = args.child
         return child_main(kind, shape, path, Path(out), args)
     result = measure(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(format_table(result))
-    print(f"\nwrote {out}")
+    write_result(result, args.out, format_table(result))
     return 0
 
 

@@ -30,6 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from needle.config import DataConfig, LoraConfig, training_configs
+from needle.model.needle3.export import export_needle
+from needle.pipeline import obtain_base, prepare_data, train
+
 ROWS = 320
 BATCH = 8
 RANK, ALPHA, LR = 16, 32.0, 1e-3
@@ -51,9 +55,6 @@ def _cactus_losses(log: list[str]) -> list[float]:
 
 def run_needle(base_dir: Path, jsonl: Path, steps: int, warmup: int, work: Path) -> dict[str, Any]:
     """needle's LoRA fine-tune of the Needle 3 base through the library's stages; step times and loss."""
-    from needle.config import DataConfig, LoraConfig, training_configs
-    from needle.pipeline import obtain_base, prepare_data, train
-
     base = obtain_base(str(base_dir))
     data_cfg = DataConfig(source=str(jsonl), max_len=base.loaded.model_cfg.max_len, val_fraction=0.1, test_fraction=0.0)
     prepared = prepare_data(data_cfg, tokenizer=base.loaded.tokenizer)
@@ -107,10 +108,6 @@ def measure_published(base_dir: Path, jsonl: Path, work: Path, steps: int = 4, b
     Runs in its own process (``--published-child``) so the peak resident memory is this work's alone.
     """
     import resource
-
-    from needle.config import DataConfig, LoraConfig, training_configs
-    from needle.model.needle3.export import export_needle
-    from needle.pipeline import obtain_base, prepare_data, train
 
     t0 = time.perf_counter()
     base = obtain_base(str(base_dir), max_len=512)

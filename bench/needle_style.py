@@ -26,6 +26,10 @@ import numpy as np
 import optax
 from flax import traverse_util
 
+from needle.config import model_preset
+from needle.model.decoder.transformer import Transformer
+from needle.model.io import load_model
+
 from bench.fixtures import ensure_base
 
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -75,10 +79,6 @@ def run_needle_style(preset: str, prepared: Any, tok: Any, *, epochs: int = 1, b
                      rank: int = 16, alpha: float = 32.0, lr: float = 1e-4, val_split: float = 0.1,
                      seed: int = 0, max_steps: int | None = None) -> dict[str, Any]:
     """Train adapters the Needle way; per-step wall times (each ends in a host sync)."""
-    from needle.config import model_preset
-    from needle.model.io import load_model
-    from needle.model.decoder.transformer import Transformer
-
     model_cfg = model_preset(preset)
     params = jax.device_put(load_model(ensure_base(preset, tok)).params)
     model = Transformer(model_cfg)  # no LoRA modules: adapters are merged into W instead

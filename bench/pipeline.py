@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from needle.config import DataConfig, EvalConfig, LoraConfig, training_configs
+
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "bench" / "pipeline"
 DATA = REPO / "data" / "sample" / "new.jsonl"
@@ -51,8 +53,8 @@ def ensure_base(base_steps: int) -> Path:
 
 def bare_main(base_dir: str, steps: int, out: str) -> None:
     """The library-only run (in its own process): the flow's stages with its defaults."""
+    # lazy: only this child runs the library; the parent that times it holds no jax
     from needle import pipeline
-    from needle.config import DataConfig, EvalConfig, LoraConfig, training_configs
 
     source = pipeline.load_data(str(DATA))
     base = pipeline.obtain_base(base_dir)

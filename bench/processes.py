@@ -23,15 +23,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from needle import pipeline
+from needle.config import DataConfig, OptimConfig, TrainConfig, model_preset
+from needle.data.prepare import load_cached, save_cached
+from needle.model.lora import count_params
+from needle.train.distributed import ProcessGroup, free_port, initialize, is_primary
+from needle.train.run import run_training
+from needle.train.sharding import DATA_AXIS, FSDP_AXIS, make_mesh
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def prepare(spec: dict[str, Any], directory: Path) -> None:
     """The prepared rows and tokenizer every process reads (needle.data.prepare.save_cached)."""
-    from needle import pipeline
-    from needle.config import DataConfig, model_preset
-    from needle.data.prepare import save_cached
-
     cfg = model_preset(spec["preset"])
     lines = (ROOT / "data/sample/base.jsonl").read_text().splitlines()[: spec["rows"]]
     source = directory.parent / "rows.jsonl"
@@ -46,8 +50,6 @@ def _allreduce_s(n_floats: int, repeats: int = 10) -> float:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-
-    from needle.train.sharding import DATA_AXIS, FSDP_AXIS, make_mesh
 
     mesh = make_mesh()
     rows = NamedSharding(mesh, PartitionSpec((DATA_AXIS, FSDP_AXIS)))
@@ -66,12 +68,6 @@ def _allreduce_s(n_floats: int, repeats: int = 10) -> float:
 def worker(coordinator: str, n: int, rank: int, spec: dict[str, Any], out: Path) -> None:
     """One process: train, then time the all-reduce; process 0 writes ``out``."""
     import numpy as np
-
-    from needle.config import OptimConfig, TrainConfig, model_preset
-    from needle.data.prepare import load_cached
-    from needle.model.lora import count_params
-    from needle.train.distributed import ProcessGroup, initialize, is_primary
-    from needle.train.run import run_training
 
     initialize(ProcessGroup(coordinator, n, rank))
     loaded = load_cached(spec["prepared"])
@@ -93,8 +89,6 @@ def worker(coordinator: str, n: int, rank: int, spec: dict[str, Any], out: Path)
 
 
 def _run(n: int, spec_path: Path, work: Path) -> dict[str, Any]:
-    from needle.train.distributed import free_port
-
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     coordinator, out = f"127.0.0.1:{free_port()}", work / f"result-{n}.json"
     procs = [subprocess.Popen([sys.executable, "-m", "bench.processes", "worker", coordinator, str(n), str(rank),

@@ -1,7 +1,10 @@
-"""Targets (pass/miss) and the printed table for a benchmark result dict."""
+"""Targets (pass/miss), the printed table and the JSON file of a benchmark result dict (bench/run.py, bench/memory.py)."""
 
 from __future__ import annotations
 
+import json
+import string
+from pathlib import Path
 from typing import Any
 
 # name -> (threshold, direction): ">=" passes at or above, "<=" at or below.
@@ -47,6 +50,34 @@ def _fmt(x: Any, spec: str = ",.1f") -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
 
+class _SectionFormatter(string.Formatter):
+    """``{a.b:spec}`` prints ``section["a"]["b"]`` through :func:`_fmt` (``-`` when it is missing or
+    not a number; no spec means ``,.1f``); the spec ``s`` prints the value as it is."""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+        return _get(kwargs["section"], field_name), field_name
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        return str(value) if format_spec == "s" else _fmt(value, format_spec or ",.1f")
+
+
+_SECTION_FORMATTER = _SectionFormatter()
+
+# The line of each single-line section that ran ("ok"), in the table's order (_SectionFormatter's fields).
+SECTION_LINES = {
+    "compile": "compile (first step): cold {cold.first_step_s} s, warm {warm.first_step_s} s; process start to "
+               "first step cold {cold.process_to_first_step_s} s, warm {warm.process_to_first_step_s} s; "
+               "step programs cold {cold.programs:s}, warm {warm.programs:s}",
+    "needle_style": "needle-style loop: step {step_s:.3f} s, {real_tokens_per_s:,.0f} real tok/s, first step "
+                    "{first_step_s} s, ragged step {ragged_step_s} s; ours {speedup:.2f}x",
+    "cactus": "cactus-needle finetune_local: step {step_s:.3f} s ({padded_tokens_per_s:,.0f} padded tok/s), "
+              "wall {wall_s} s; ours: wall {ours.wall_s} s; ratios: step {step_throughput_ratio:.2f}x, "
+              "wall {wall_ratio:.2f}x",
+    "data_eval": "data prep: {prep_cold_examples_per_s:,.0f} ex/s cold, {prep_cached_examples_per_s:,.0f} ex/s "
+                 "cached; eval decode {eval_decode_tokens_per_s:,.0f} tok/s, {eval_rows_per_s:.2f} rows/s",
+}  # fmt: skip
+
+
 def format_table(result: dict[str, Any]) -> str:
     """A plain-text summary: the limit, each training config, comparisons, targets."""
     lines = []
@@ -69,29 +100,12 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{_fmt(100 * r['input_wait_share'], '.1f'):>7}%"
                      f"{','.join(str(t) for t in r.get('seq_lens', [])):>6}{_fmt(r.get('packing_efficiency'), '.3f'):>8}"
                      f"{_fmt(r.get('compiled_shapes'), 'd'):>7}")
-    comp = result.get("compile", {})
-    if comp.get("status") == "ok":
-        lines.append(f"compile (first step): cold {_fmt(comp['cold']['first_step_s'])} s, warm "
-                     f"{_fmt(comp['warm']['first_step_s'])} s; process start to first step cold "
-                     f"{_fmt(comp['cold']['process_to_first_step_s'])} s, warm {_fmt(comp['warm']['process_to_first_step_s'])} s"
-                     f"; step programs cold {comp['cold'].get('programs')}, warm {comp['warm'].get('programs')}")
-    ns = result.get("needle_style", {})
-    if ns.get("status") == "ok":
-        lines.append(f"needle-style loop: step {_fmt(ns['step_s'], '.3f')} s, {_fmt(ns['real_tokens_per_s'], ',.0f')} real tok/s, "
-                     f"first step {_fmt(ns['first_step_s'])} s, ragged step {_fmt(ns.get('ragged_step_s'))} s; "
-                     f"ours {_fmt(ns.get('speedup'), '.2f')}x")
-    ca = result.get("cactus", {})
-    if ca.get("status") == "ok":
-        lines.append(f"cactus-needle finetune_local: step {_fmt(ca['step_s'], '.3f')} s ({_fmt(ca['padded_tokens_per_s'], ',.0f')} "
-                     f"padded tok/s), wall {_fmt(ca['wall_s'])} s; ours: wall {_fmt(ca.get('ours', {}).get('wall_s'))} s; "
-                     f"ratios: step {_fmt(ca.get('step_throughput_ratio'), '.2f')}x, wall {_fmt(ca.get('wall_ratio'), '.2f')}x")
-    elif ca:
-        lines.append(f"cactus-needle: {ca.get('status')}: {ca.get('error') or ca.get('reason', '')}"[:300])
-    de = result.get("data_eval", {})
-    if de.get("status") == "ok":
-        lines.append(f"data prep: {_fmt(de['prep_cold_examples_per_s'], ',.0f')} ex/s cold, "
-                     f"{_fmt(de['prep_cached_examples_per_s'], ',.0f')} ex/s cached; eval decode "
-                     f"{_fmt(de['eval_decode_tokens_per_s'], ',.0f')} tok/s, {_fmt(de['eval_rows_per_s'], '.2f')} rows/s")
+    for key, template in SECTION_LINES.items():
+        section = result.get(key, {})
+        if section.get("status") == "ok":
+            lines.append(_SECTION_FORMATTER.format(template, section=section))
+        elif key == "cactus" and section:  # the one section whose failure or skip the table names
+            lines.append(f"cactus-needle: {section.get('status')}: {section.get('error') or section.get('reason', '')}"[:300])
     dv = result.get("devices", {})
     if dv.get("status") == "ok":
         lines.append("devices: " + ", ".join(f"{n}: {_fmt(r.get('tokens_per_s'), ',.0f')} tok/s loss {_fmt(r.get('loss'), '.3f')}"
@@ -109,3 +123,12 @@ def format_table(result: dict[str, Any]) -> str:
     for t in result.get("targets", []):
         lines.append(f"target {t['name']:<32} {t['op']} {t['threshold']:<6} value {_fmt(t['value'], '.3f'):>8}  {t['verdict']}")
     return "\n".join(lines)
+
+
+def write_result(result: dict[str, Any], out: str | Path, table: str) -> None:
+    """Write ``result`` as JSON to ``out`` (its folder made), then print ``table`` and where it went."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(table)
+    print(f"\nwrote {out}")

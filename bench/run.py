@@ -29,8 +29,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from needle.config import model_preset
+from needle.hardware import probe
+
 from bench.fixtures import CACHE, REPO
-from bench.report import evaluate_targets, format_table
+from bench.report import evaluate_targets, format_table, write_result
 
 SCHEMA_VERSION = 1
 SECTIONS = ("peak", "train", "compile", "needle_style", "cactus", "data_eval", "pipeline", "devices", "hf_load", "serve",
@@ -64,9 +67,20 @@ def run_task(task: str, spec: dict[str, Any], *, isolated: bool = True, env: dic
         return {"status": "ok" if ok else "failed", **out}
 
 
-def machine_info() -> dict[str, Any]:
-    from needle.hardware import probe
+def run_module(module: str, *args: str, timeout_s: float) -> tuple[dict[str, Any] | None, str]:
+    """``python -m <module> *args --out FILE`` from the checkout: the JSON it wrote, or None and why
+    (its exit code and the end of its stderr) when it wrote none."""
+    name = module.rsplit(".", 1)[-1]
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        target = Path(tmp) / f"{name}.json"
+        done = subprocess.run([sys.executable, "-m", module, *args, "--out", str(target)], cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        if not target.exists():
+            return None, f"{module} exited {done.returncode}: {done.stderr[-800:]}"
+        return json.loads(target.read_text()), ""
 
+
+def machine_info() -> dict[str, Any]:
     info = probe()
     return {"backend": info["backend"], "device_kind": info["device_kind"], "device_count": info["device_count"],
             "cpu_count": os.cpu_count(), "jax_version": info["jax_version"], "loadavg_start": _load()}
@@ -77,8 +91,6 @@ def _load() -> float | None:
 
 
 def bench_train(quick: bool, peak_gflops: float | None, isolated: bool) -> dict[str, Any]:
-    from needle.config import model_preset
-
     configs = [("tiny", "lora")] if quick else [(p, m) for p in ("small", "medium") for m in ("lora", "full")]
     out = {}
     for preset, mode in configs:
@@ -116,8 +128,6 @@ def bench_needle_style(train: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench_cactus(train: dict[str, Any]) -> dict[str, Any]:
-    from needle.config import model_preset
-
     from bench.cactus import run_cactus
     from bench.fixtures import ensure_jsonl
 
@@ -156,18 +166,14 @@ def bench_pipeline(train: dict[str, Any]) -> dict[str, Any]:
         out["mlflow"] = m
         out["mlflow_logging_share"] = m.get("share_of_step_time")
     # The flow figures come from bench/pipeline.py (embedded flow vs bare library, deployment latency).
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-        target = Path(tmp) / "pipeline.json"
-        done = subprocess.run([sys.executable, "-m", "bench.pipeline", "--deployment", "--out", str(target)],
-                              cwd=REPO, capture_output=True, text=True, timeout=3600)
-        if target.exists():
-            flow = json.loads(target.read_text())
-            out.update({k: flow.get(k) for k in ("flow_wall_s", "bare_library_wall_s", "flow_overhead_ratio",
-                                                   "deployment_to_first_step_s")})
-            out["flow"] = flow
-        else:
-            out["status"] = "failed"
-            out["error"] = f"bench.pipeline exited {done.returncode}: {done.stderr[-800:]}"
+    flow, error = run_module("bench.pipeline", "--deployment", timeout_s=3600)
+    if flow is not None:
+        out.update({k: flow.get(k) for k in ("flow_wall_s", "bare_library_wall_s", "flow_overhead_ratio",
+                                               "deployment_to_first_step_s")})
+        out["flow"] = flow
+    else:
+        out["status"] = "failed"
+        out["error"] = error
     return out
 
 
@@ -192,37 +198,22 @@ def bench_hf_load() -> dict[str, Any]:
 
 def bench_serve() -> dict[str, Any]:
     """bench/serve.py in its own process: the newest tuned ``small`` model (or a random one) served."""
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        target = Path(tmp) / "serve.json"
-        done = subprocess.run([sys.executable, "-m", "bench.serve", "--out", str(target)], cwd=REPO,
-                              capture_output=True, text=True, timeout=1800)  # fmt: skip
-        if not target.exists():
-            return {"status": "failed", "error": f"bench.serve exited {done.returncode}: {done.stderr[-800:]}"}
-        return {"status": "ok", **json.loads(target.read_text())}
+    r, error = run_module("bench.serve", timeout_s=1800)
+    return {"status": "ok", **r} if r is not None else {"status": "failed", "error": error}
 
 
 def bench_memory() -> dict[str, Any]:
     """bench/memory.py in its own process (each shape and path in a child of it)."""
-    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-        target = Path(tmp) / "memory.json"
-        done = subprocess.run([sys.executable, "-m", "bench.memory", "--out", str(target)], cwd=REPO,
-                              capture_output=True, text=True, timeout=4 * 3600)  # fmt: skip
-        if not target.exists():
-            return {"status": "failed", "error": f"bench.memory exited {done.returncode}: {done.stderr[-800:]}"}
-        return {"status": "ok", **json.loads(target.read_text())}
+    r, error = run_module("bench.memory", timeout_s=4 * 3600)
+    return {"status": "ok", **r} if r is not None else {"status": "failed", "error": error}
 
 
 def bench_needle3_section(skip_cactus: bool) -> dict[str, Any]:
     """bench/needle3.py in its own process: cactus-needle's and needle's loop on one Needle 3 base."""
     if skip_cactus:
         return {"status": "skipped", "reason": "--skip-cactus (the comparison needs cactus-needle)"}
-    with tempfile.TemporaryDirectory(prefix="bench-needle3-") as tmp:
-        target = Path(tmp) / "needle3.json"
-        done = subprocess.run([sys.executable, "-m", "bench.needle3", "--published", "--out", str(target)], cwd=REPO,
-                              capture_output=True, text=True, timeout=4 * 3600)  # fmt: skip
-        if not target.exists():
-            return {"status": "failed", "error": f"bench.needle3 exited {done.returncode}: {done.stderr[-800:]}"}
-        return json.loads(target.read_text())
+    r, error = run_module("bench.needle3", "--published", timeout_s=4 * 3600)
+    return r if r is not None else {"status": "failed", "error": error}  # it writes its own status
 
 
 def run_benchmark(quick: bool, skip_cactus: bool, sections: tuple[str, ...]) -> dict[str, Any]:
@@ -277,11 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     result = run_benchmark(args.quick, args.skip_cactus, sections)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(format_table(result))
-    print(f"\nwrote {out}")
+    write_result(result, args.out, format_table(result))
     return 0
 
 

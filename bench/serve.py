@@ -41,13 +41,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from needle.config import EvalConfig, model_preset
+from needle.data.load import read_rows
+from needle.data.render import render_text
+from needle.data.sample_tools import NEW_TOOLS
+from needle.eval.constrain import call_list_schema
+from needle.eval.evaluate import evaluate_model
+from needle.model.io import load_model, save_model
+from needle.model.lora import init_params
+from needle.serve.engine import DEFAULT_PREFIX_CACHE_MB, Predictor
+from needle.serve.prompt import Request
+from needle.serve.pyfunc import local_model_dir, save_pyfunc
+from needle.tokenizers.native import train_tokenizer
+from needle_flows.paths import state_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _newest_model() -> Path | None:
     """The newest tuned ``small`` model in the state dir's fine-tune folders (the main job's), or None."""
-    from needle_flows.paths import state_dir
-
     found = []
     # <state>/finetune/<mode>-<digest>/model since the fine-tune folder is keyed by its inputs;
     # <state>/runs/<flow run>/lora-*/model before that.
@@ -61,13 +73,6 @@ def _newest_model() -> Path | None:
 
 
 def _random_small(out: Path, max_len: int | None = None) -> Path:
-    from needle.config import model_preset
-    from needle.data.load import read_rows
-    from needle.data.render import render_text
-    from needle.model.io import save_model
-    from needle.model.lora import init_params
-    from needle.tokenizers.native import train_tokenizer
-
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)
     cfg = model_preset("small", vocab_size=1024, **({"max_len": max_len} if max_len else {}))
@@ -90,11 +95,6 @@ def _pct(values: list[float], q: float) -> float:
 
 def decode_speed(model_dir: Path, n_rows: int) -> dict:
     """Constrained vs free rows/s on held-out rows (warm: the second evaluation of each)."""
-    from needle.config import EvalConfig
-    from needle.data.load import read_rows
-    from needle.eval.evaluate import evaluate_model
-    from needle.model.io import load_model
-
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     held = rows[-n_rows:]
     loaded = load_model(model_dir)
@@ -139,8 +139,6 @@ def _renumber(messages: list[dict], prefix: str) -> list[dict]:
 def _time_last_turns(predictor: Any, rows: list[dict], tools: list[dict], turns: int, n: int) -> tuple[dict, list]:
     """Send each conversation's turns as a client would, timing the last one: p50/p95 latency,
     the cache's reuse when it has one, and the last turns' replies."""
-    from needle.serve.prompt import Request
-
     def ask(messages: list[dict]) -> Any:
         return predictor.predict([Request(messages=messages, tools=tools, mode="auto")])
 
@@ -163,12 +161,6 @@ def _time_last_turns(predictor: Any, rows: list[dict], tools: list[dict], turns:
 
 def prefix_speed(n_conversations: int, work: Path, turns: tuple[int, ...] = (1, 3, 6)) -> dict:
     """The last turn's latency with the prefix cache off and on (module doc)."""
-    from needle.config import EvalConfig
-    from needle.data.sample_tools import NEW_TOOLS
-    from needle.model.io import load_model
-    from needle.serve.engine import DEFAULT_PREFIX_CACHE_MB, Predictor
-    from needle.serve.prompt import Request
-
     loaded = load_model(_random_small(work / "small-2048", max_len=2048))
     tools = [t.schema() for t in NEW_TOOLS]
     lines = (ROOT / "data/sample/new.jsonl").read_text().splitlines()
@@ -206,11 +198,6 @@ def compare_libs(n_sets: int = 32) -> dict:
     import importlib.util
 
     import numpy as np
-
-    from needle.data.load import read_rows
-    from needle.data.render import render_text
-    from needle.eval.constrain import call_list_schema
-    from needle.tokenizers.native import train_tokenizer
 
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     tok = train_tokenizer([render_text(r) for r in rows[:2000]], 1024)
@@ -345,9 +332,6 @@ def _openai_post(url: str) -> Any:
 def serving_speed(model_dir: Path, n_requests: int, work: Path) -> dict:
     """Both request shapes against `needle serve` of ``model_dir``: the table shape on MLflow's
     ``/invocations`` (urllib) and the chat shape through the OpenAI client library."""
-    from needle.data.load import read_rows
-    from needle.serve.pyfunc import save_pyfunc
-
     pyfunc_dir = save_pyfunc(model_dir, work / "pyfunc")
     rows, _ = read_rows(str(ROOT / "data/sample/new.jsonl"))
     picked = rows[-n_requests:]
@@ -386,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
         result = {**prefix_speed(args.conversations, work), **stamp}
         _write(Path(args.out or ROOT / "bench/results/serve_prefix.json"), result)
         return 0
-    from needle.serve.pyfunc import local_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="needle-serve-"))
     model_dir = Path(local_model_dir(args.model)) if args.model else _newest_model()

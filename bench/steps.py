@@ -24,6 +24,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
+from needle.hardware import settings_for, with_overrides
+from needle.model import lora as lora_lib
+from needle.model.factory import module_for
+from needle.model.lora import count_params
+from needle.train.run import initial_params, make_apply_fn, make_plans
+from needle.train.step import create_state, train_step
+
 from bench.flops import count_matmul_params, flops_per_token
 from bench.fixtures import ensure_base
 
@@ -32,8 +40,6 @@ _jit_step_cache: dict[str, Any] = {}
 
 def jitted_train_step() -> Any:
     """``jax.jit(train_step, donate_argnums=0)``, built once per process."""
-    from needle.train.step import train_step
-
     if "step" not in _jit_step_cache:
         _jit_step_cache["step"] = jax.jit(train_step, donate_argnums=0)
     return _jit_step_cache["step"]
@@ -41,13 +47,6 @@ def jitted_train_step() -> Any:
 
 def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, lora_rank: int = 16) -> tuple[Any, Any]:
     """A fresh ``TrainState`` for ``preset`` in ``mode`` on a random-init base; returns (state, model_cfg)."""
-    from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
-    from needle.hardware import settings_for, with_overrides
-    from needle.model import lora as lora_lib
-    from needle.model.factory import module_for
-    from needle.train.run import initial_params, make_apply_fn
-    from needle.train.step import create_state
-
     train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
     settings = with_overrides(settings_for(jax.default_backend()), train_cfg)  # as run_training does
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
@@ -91,9 +90,6 @@ def run_window(state: Any, plan: Any, first: int, n: int, prebuilt: list | None 
 
 def make_plan(prepared: Any, tok: Any, model_cfg: Any, mode: str, batch_size: int, packing: bool = True) -> Any:
     """The training plan the library builds for these data (``make_plans``)."""
-    from needle.config import TrainConfig
-    from needle.train.run import make_plans
-
     train_cfg = TrainConfig(mode=mode, batch_size=batch_size, packing=packing, compilation_cache_dir=None)
     return make_plans(prepared, train_cfg, model_cfg.max_len, tok.pad_id, model_cfg)[0]
 
@@ -101,8 +97,6 @@ def make_plan(prepared: Any, tok: Any, model_cfg: Any, mode: str, batch_size: in
 def measure_train(preset: str, mode: str, prepared: Any, tok: Any, *, steps: int = 20, batch_size: int = 16,
                   warmup: int = 3, lora_rank: int = 16, packing: bool = True) -> dict[str, Any]:
     """Compile, warm up, then time ``steps`` steps twice (host-built vs prebuilt batches)."""
-    from needle.model.lora import count_params
-
     total = warmup + 2 * steps
     state, model_cfg = build_state(preset, mode, tok, total, batch_size, lora_rank)
     plan = make_plan(prepared, tok, model_cfg, mode, batch_size, packing)

@@ -18,6 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from needle.config import EvalConfig, LoraConfig, OptimConfig, TrainConfig, model_preset
+from needle.data.prepare import PreparedData
+from needle.hardware import enable_compilation_cache
+from needle.tracking.mlflow_tracker import MlflowTracker
+
 from bench import fixtures
 
 
@@ -48,8 +53,8 @@ def task_compile(spec: dict[str, Any]) -> dict[str, Any]:
     """Time to the first finished step with the persistent compilation cache at ``cache_dir``."""
     import jax
     import psutil
-    from needle.hardware import enable_compilation_cache
 
+    # lazy: jax loads only after main() has set JAX_PLATFORMS (a section's XLA_FLAGS come from bench.run)
     from needle.train.programs import StepPrograms
     from needle.train.step import train_step
 
@@ -76,8 +81,8 @@ def task_compile(spec: dict[str, Any]) -> dict[str, Any]:
 
 def task_devices(spec: dict[str, Any]) -> dict[str, Any]:
     """The library loop on a data-parallel mesh over every (virtual) device of this process."""
+    # lazy, as in task_compile
     import jax
-    from needle.config import TrainConfig
     from needle.train.loop import train
     from needle.train.sharding import make_mesh
 
@@ -104,8 +109,7 @@ def task_needle_style(spec: dict[str, Any]) -> dict[str, Any]:
 
 def task_data_eval(spec: dict[str, Any]) -> dict[str, Any]:
     """Dataset preparation cold and from its saved copy; decode throughput of evaluation."""
-    from needle.config import EvalConfig
-    from needle.data.prepare import PreparedData
+    # lazy, as in task_compile
     from needle.eval.evaluate import evaluate_model
 
     jsonl = fixtures.ensure_jsonl(spec.get("rows"))
@@ -131,7 +135,7 @@ def task_data_eval(spec: dict[str, Any]) -> dict[str, Any]:
 
 def task_library_run(spec: dict[str, Any]) -> dict[str, Any]:
     """Bare-library whole run on the cactus comparison's rows: prepare, train, export, evaluate."""
-    from needle.config import EvalConfig, LoraConfig, OptimConfig, TrainConfig, model_preset
+    # lazy, as in task_compile
     from needle.eval.evaluate import evaluate_model
     from needle.train.run import run_training
 
@@ -155,8 +159,6 @@ def task_library_run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def task_mlflow(spec: dict[str, Any]) -> dict[str, Any]:
     """Time MlflowTracker calls of a simulated run (metrics every log_every steps) on a temp sqlite store."""
-    from needle.tracking.mlflow_tracker import MlflowTracker
-
     steps, every = spec.get("steps", 200), spec.get("log_every", 10)
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{tmp}/mlflow.db"
