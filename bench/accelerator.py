@@ -97,13 +97,14 @@ def run_case(
     from bench.memory import _peak_device_bytes, timed_steps
     from needle.model import lora as lora_lib
     from needle.model.hf.random_model import shape_config
+    from needle.model.decoder.scan import layer_period, stack_layers
     from needle.model.decoder.transformer import Transformer
     from needle.train.run import make_apply_fn
     from needle.train.step import create_state, train_step
 
     shape, mode, rows, seq = parse_case(case)
-    settings = dataclasses.replace(settings_for(jax.default_backend()), **(overrides or {}))
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
+    settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers), **(overrides or {}))
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)
     rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq,
@@ -114,6 +115,9 @@ def run_case(
         trainable, frozen = lora_lib.split_trainable(params, "lora" if lora_cfg else "full")
         del params
         frozen = lora_lib.in_compute_dtype(frozen, settings)
+        if settings.scan_layers:  # as needle.train.run.build_state: a scanned state keeps its blocks stacked
+            period = layer_period(cfg.resolved_layer_types())
+            trainable, frozen = stack_layers(trainable, period), stack_layers(frozen, period)
         state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), 100)
         batch = packed_batch(cfg.vocab_size, rows, seq)
         t0 = time.perf_counter()

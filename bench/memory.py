@@ -78,7 +78,7 @@ def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     from needle.model.decoder.transformer import Transformer
 
     cfg = hf_config_to_model_config(shape_config(shape), max_len=1024)
-    settings = settings_for(jax.default_backend())
+    settings = settings_for(jax.default_backend(), cfg.n_layers)  # as run_training picks them
     if path == "old":
         settings = old_paths(settings)
     elif path == "recompute":  # the new path with each block recomputed in a custom VJP

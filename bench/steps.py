@@ -48,10 +48,10 @@ def jitted_train_step() -> Any:
 def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, lora_rank: int = 16) -> tuple[Any, Any]:
     """A fresh ``TrainState`` for ``preset`` in ``mode`` on a random-init base; returns (state, model_cfg)."""
     train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
-    settings = with_overrides(settings_for(jax.default_backend()), train_cfg)  # as run_training does
+    model_cfg = model_preset(preset)
+    settings = with_overrides(settings_for(jax.default_backend(), model_cfg.n_layers), train_cfg)  # as run_training does
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
     base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
-    model_cfg = model_preset(preset)
     params = initial_params(model_cfg, train_cfg, lora_cfg, base_dir, settings)
     trainable, frozen = lora_lib.split_trainable(params, mode)
     model = module_for(model_cfg, lora_cfg, settings)

@@ -9,14 +9,14 @@ chunking and layer-loop unrolling; ``with_overrides(settings, train_cfg)`` appli
 Defaults per backend (why: the CPU is memory- and bandwidth-bound on a 2-core, 24 GB box;
 accelerators have memory to spare for small models and want the fused kernels):
 
-=========  ==========================  =========  ==========
-backend    remat                       attention  loss_chunk
-=========  ==========================  =========  ==========
-cpu        recompute                   blocked    256
-gpu/cuda   auto                        auto       1024
-tpu        auto                        auto       1024
-metal      none                        blocked    256
-=========  ==========================  =========  ==========
+=========  ==========================  =========  ==========  ===========================
+backend    remat                       attention  loss_chunk  layers
+=========  ==========================  =========  ==========  ===========================
+cpu        recompute                   blocked    256         scanned from 8 layers
+gpu/cuda   auto                        auto       1024        scanned
+tpu        auto                        auto       1024        scanned
+metal      none                        blocked    256         unrolled
+=========  ==========================  =========  ==========  ===========================
 
 ``remat="none"``, ``attention="dense"`` and ``loss_chunk=0`` are the code paths before issue 20
 (no rematerialisation, full ``[B,H,T,T]`` scores, full ``[B,T,V]`` logits), kept selectable.
@@ -109,8 +109,16 @@ class BackendSettings:
         return self.remat not in ("none", "everything_saveable")
 
 
-def settings_for(backend: str) -> BackendSettings:
-    """Return the compute settings for a backend name as reported by the probe."""
+# On the CPU a model this deep runs its layers as one scan: unrolled, XLA compiles every layer on
+# its own (the 135M Llama shape's 30 layers, LoRA at 2 x 2048 on the 2-core CPU, 2026-12-06: lower
+# and compile 170 s unrolled, 16 s scanned, the same step time and loss). Shallower models (the
+# tiny/small/medium presets the main job and the tests use) compile in seconds unrolled and stay so.
+CPU_SCAN_MIN_LAYERS = 8
+
+
+def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
+    """Return the compute settings for a backend name as reported by the probe; with the model's
+    ``n_layers``, a CPU scans the layers of a model of ``CPU_SCAN_MIN_LAYERS`` or more."""
     b = backend.lower()
     if b == "metal":
         # The Metal plugin lacks fused attention and handles remat and scanned loops poorly.
@@ -126,7 +134,7 @@ def settings_for(backend: str) -> BackendSettings:
     # pipeline), logits in chunks of 256 tokens. 135M Llama shape, LoRA 4x640, 2026-12-04: peak
     # RSS 2.53 GB at 127.6 tokens/s, against 6.24 GB at 128.8 under dots_with_no_batch_dims_saveable.
     return BackendSettings(b, "float32", "float32", fused_attention=False,
-                           remat="recompute", scan_layers=False,
+                           remat="recompute", scan_layers=(n_layers or 0) >= CPU_SCAN_MIN_LAYERS,
                            attention="blocked", loss_chunk=256)  # fmt: skip
 
 

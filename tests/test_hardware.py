@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from needle.hardware import format_probe, probe, settings_for
+from needle.config import TrainConfig
+from needle.hardware import CPU_SCAN_MIN_LAYERS, format_probe, probe, settings_for, with_overrides
 
 
 def test_probe_reports_cpu_here():
@@ -53,3 +54,12 @@ def test_cli_probe_json_honours_jax_platforms():
     assert info["backend"] == "cpu" and info["jax_platforms"] == "cpu"
     for key in ("backend", "devices", "device_count", "accelerated", "jax_version"):
         assert key in info
+
+
+def test_cpu_scans_the_layers_of_a_deep_model_unless_the_run_says_otherwise() -> None:
+    assert settings_for("cpu").scan_layers is False
+    assert settings_for("cpu", n_layers=CPU_SCAN_MIN_LAYERS - 1).scan_layers is False
+    deep = settings_for("cpu", n_layers=30)
+    assert deep.scan_layers is True
+    assert with_overrides(deep, TrainConfig(mode="lora", scan_layers=False)).scan_layers is False
+    assert settings_for("tpu", n_layers=2).scan_layers is True  # accelerators scan at any depth
