@@ -8,13 +8,13 @@ state under .state/ (or $NEEDLE_STATE_DIR). The environment it needs is set here
 point, before Prefect is imported; importing this module changes nothing.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from needle import cli as needle_cli
+from needle.cli import one_line, parse_json_object
 from needle.config import preset_names
 from needle.errors import UsageError
 from needle.eval.report import before_after, format_table
@@ -70,21 +70,7 @@ def _cmd_finetune(args: Any) -> int:
 
 def parse_params(text: Optional[str]) -> dict[str, Any]:
     """``--params``: a JSON object, or a one-line ``UsageError`` (exit 2)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--params is not valid JSON: {exc.msg} (column {exc.colno})") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"--params must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _one_line(exc: Any) -> str:
-    """A pydantic ValidationError as one line: ``loc: message; …``."""
-    parts = [f"{'.'.join(str(x) for x in e['loc']) or 'params'}: {e['msg']}" for e in exc.errors()]
-    return "; ".join(parts).replace("\n", " ")
+    return parse_json_object(text, "--params") if text else {}
 
 
 def embedded_env(state: Path, tracking_uri: str) -> dict[str, str]:
@@ -125,7 +111,7 @@ def run_embedded(**params: Any) -> dict[str, Any]:
     try:
         p = FinetuneParams(**{k: v for k, v in params.items() if v is not None})
     except ValidationError as exc:
-        raise UsageError(f"invalid parameters: {_one_line(exc)}") from None
+        raise UsageError(f"invalid parameters: {one_line(exc)}") from None
     check_tracking(os.environ["MLFLOW_TRACKING_URI"])  # seconds, before Prefect's server starts
     # Prefect may have read its settings before the environment above was set (an earlier
     # import): settings derived from PREFECT_HOME (the database, result storage) are rebuilt.

@@ -59,15 +59,24 @@ def megabytes(text: str) -> float:
     return value
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """argparse type: a JSON object (``{"scan_layers": true}``)."""
+def parse_json_object(text: str, flag: str) -> dict[str, Any]:
+    """``flag``'s value as a JSON object, or a one-line ``UsageError`` (exit 2)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"is not valid JSON: {exc.msg} (column {exc.colno})") from None
+        raise UsageError(f"{flag} is not valid JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+        raise UsageError(f"{flag} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def one_line(exc: Exception) -> str:
+    """A pydantic ValidationError as one line (``loc: message; …``); any other error as its text."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = [f"{'.'.join(str(x) for x in e['loc']) or 'params'}: {e['msg']}" for e in errors()]
+    return "; ".join(parts).replace("\n", " ")
 
 
 def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
@@ -121,13 +130,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     scratch = args.mode == "scratch"
     _check_base(args.mode, args.base)  # argument mistakes fail before any file is read or written
+    train = parse_json_object(args.train, "--train") if args.train else None
+    optim = parse_json_object(args.optim, "--optim") if args.optim else None
     try:
         train_cfg, optim_cfg = training_configs(args.mode, steps=args.steps, batch_size=args.batch_size,
-                                                seed=args.seed, train=args.train, optim=args.optim)  # fmt: skip
+                                                seed=args.seed, train=train, optim=optim)  # fmt: skip
     except ValueError as exc:  # pydantic's ValidationError: an unknown key or a bad value
-        errors = getattr(exc, "errors", None)
-        reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors()) if errors else str(exc)
-        raise UsageError(f"--train/--optim: {reason}") from None
+        raise UsageError(f"--train/--optim: {one_line(exc)}") from None
     out = check_out_dir(args.out)
     source = pipeline.load_data(args.data, args.on_error)  # bad rows fail before any model loads
     base = None if scratch else pipeline.obtain_base(args.base, preset=args.preset, max_len=args.max_len)
@@ -302,9 +311,9 @@ def _add_model_commands(sub: Any) -> None:
     p.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default: the mode's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--on-error", choices=["fail", "drop"], default="fail", help="bad rows: fail, or drop and report")
-    p.add_argument("--train", type=json_object, default=None, metavar="JSON",
+    p.add_argument("--train", default=None, metavar="JSON",
                    help='TrainConfig keys, as the flow\'s `train` parameter (e.g. \'{"scan_layers": true}\')')
-    p.add_argument("--optim", type=json_object, default=None, metavar="JSON",
+    p.add_argument("--optim", default=None, metavar="JSON",
                    help='OptimConfig keys, as the flow\'s `optim` parameter (e.g. \'{"lr": 1e-4}\')')
     p.add_argument("--workers", type=positive_int, default=1,
                    help="train as one program on N Ray workers (default 1: in this process)")

@@ -50,7 +50,7 @@ def _cases(tmp_path: Path, out: Path) -> dict[str, tuple[list[str], str]]:
         "train key unknown": (["train", NEW, "--out", str(out), "--mode", "scratch", "--train", '{"scan_layrs": true}'],
                               "--train/--optim: scan_layrs: Extra inputs are not permitted"),
         "optim not json": (["train", NEW, "--out", str(out), "--mode", "scratch", "--optim", "{lr: 1}"],
-                           "--optim: is not valid JSON"),
+                           "--optim is not valid JSON"),
     }
 
 
