@@ -97,7 +97,7 @@ def run_case(
     from bench.memory import _peak_device_bytes, timed_steps
     from needle.model import lora as lora_lib
     from needle.model.hf.random_model import shape_config
-    from needle.model.decoder.scan import layer_period, stack_layers
+    from needle.model.decoder.scan import stack_model_layers
     from needle.model.decoder.transformer import Transformer
     from needle.train.run import make_apply_fn
     from needle.train.step import create_state, train_step
@@ -116,8 +116,7 @@ def run_case(
         del params
         frozen = lora_lib.in_compute_dtype(frozen, settings)
         if settings.scan_layers:  # as needle.train.run.build_state: a scanned state keeps its blocks stacked
-            period = layer_period(cfg.resolved_layer_types())
-            trainable, frozen = stack_layers(trainable, period), stack_layers(frozen, period)
+            trainable, frozen = stack_model_layers(trainable, cfg), stack_model_layers(frozen, cfg)
         state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), 100)
         batch = packed_batch(cfg.vocab_size, rows, seq)
         t0 = time.perf_counter()

@@ -53,7 +53,7 @@ import numpy as np
 from needle.data.batching import bucket_for
 from needle.eval.constrain import CLOSE_RESERVE, BatchMasks
 from needle.model.lora import in_compute_dtype
-from needle.model.decoder.scan import layer_period, stack_layers
+from needle.model.decoder.scan import stack_model_layers
 from needle.model.decoder.transformer import Transformer, init_cache
 
 Overflow = Literal["error", "shrink"]
@@ -269,7 +269,7 @@ def decoding_params(model: Transformer, params: Any) -> Any:
     scanned model, the blocks stacked (needle/model/decoder/scan.py), so no step re-stacks or re-casts them."""
     settings = getattr(model, "settings", None)
     if isinstance(model, Transformer) and settings is not None and settings.scan_layers:
-        params = stack_layers(params, layer_period(model.cfg.resolved_layer_types()))
+        params = stack_model_layers(params, model.cfg)
     return in_compute_dtype(params, settings)
 
 

@@ -37,7 +37,7 @@ from needle.model import lora as lora_lib
 from needle.model.factory import LoadedModel, module_for
 from needle.model.io import load_model, save_model
 from needle.model.layout import TOKENIZER_FILES
-from needle.model.decoder.scan import layer_period, stack_layers, unstack_layers
+from needle.model.decoder.scan import stack_model_layers, unstack_layers
 from needle.model.decoder.transformer import Transformer
 from needle.tokenizers.native import Tokenizer
 from needle.tracking.tracker import NoopTracker, Tracker
@@ -186,8 +186,7 @@ def build_state(
     if isinstance(model, Transformer) and settings.scan_layers:
         # Scanned layers train on stacked blocks (one optimizer leaf per kind of weight, not per
         # layer); checkpoints and exports still read block_i (checkpoint.py, export_model).
-        period = layer_period(model_cfg.resolved_layer_types())
-        trainable, frozen = stack_layers(trainable, period), stack_layers(frozen, period)
+        trainable, frozen = stack_model_layers(trainable, model_cfg), stack_model_layers(frozen, model_cfg)
     return create_state(
         make_apply_fn(model), trainable, frozen, optim_cfg, train_cfg.steps,
         grad_accum=train_cfg.grad_accum, seed=train_cfg.seed,

@@ -95,6 +95,12 @@ def stack_layers(params: dict[str, Any], period: int) -> dict[str, Any]:
     return out
 
 
+def stack_model_layers(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """``stack_layers`` over ``cfg``'s layer period: the layout a scanned model's train state and
+    decoding read (``needle.train.run.build_state``, ``needle.eval.decode.decoding_params``)."""
+    return stack_layers(params, layer_period(cfg.resolved_layer_types()))
+
+
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
     """Inverse of :func:`stack_layers`: the ``block_i`` layout that checkpoints and exports read."""
     if not isinstance(params, dict) or LAYERS not in params:
