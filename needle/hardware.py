@@ -41,8 +41,8 @@ REMAT_POLICIES = (
     "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
     "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
     "recompute",  # keep each block's input only, recompute in a custom VJP (model/recompute.py)
-    # dots_saveable when the matmul outputs it keeps fit in half the device's memory for the
-    # batch at hand, else nothing_saveable (needle/model/decoder/transformer.py resolve_remat)
+    # dots_with_no_batch_dims_saveable when the projections' outputs fit in half the device's
+    # memory for the batch at hand, else nothing_saveable (needle/model/decoder/scan.py resolve_remat)
     "auto",
 )  # fmt: skip
 # "dense": one [B,H,T,T] float32 score tensor per layer (the old path); "blocked": query blocks

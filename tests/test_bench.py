@@ -27,6 +27,31 @@ def test_lora_flops_count_frozen_weights_without_weight_gradients() -> None:
         flops_per_token(1, 0, 1, 1, 1, 1, "prefix")
 
 
+def test_random_params_have_the_models_tree_and_train_from_zero_adapters() -> None:
+    import jax
+    import numpy as np
+
+    from bench.accelerator import random_params
+    from needle.config import LoraConfig, model_preset
+    from needle.hardware import settings_for
+    from needle.model import lora as lora_lib
+
+    cfg, lora_cfg, settings = model_preset("tiny"), LoraConfig(rank=4), settings_for("cpu", 2)
+    params = random_params(cfg, lora_cfg, settings, seed=3)
+    reference = lora_lib.init_params(cfg, lora_cfg, 3, settings)
+    assert jax.tree.structure(params) == jax.tree.structure(reference)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(reference)):
+        assert got.shape == want.shape and got.dtype == want.dtype, path
+        name = str(path[-1].key)
+        if name == "lora_b":  # the adapters start as the identity, as the model's init makes them
+            assert not np.asarray(got).any()
+        elif got.ndim >= 2:
+            assert 0.01 < float(np.asarray(got).std()) < 0.03, path
+    # distinct leaves of one shape get distinct draws
+    assert not np.array_equal(np.asarray(params["block_0"]["attn"]["q_proj"]["kernel"]),
+                              np.asarray(params["block_1"]["attn"]["q_proj"]["kernel"]))
+
+
 def test_targets_pass_miss_and_unmeasured() -> None:
     result = {"train": {"small_lora": {"utilisation": 0.31}, "medium_lora": {"utilisation": 0.2}},
               "compile": {"warm_over_cold": 0.5}, "pipeline": {"mlflow_logging_share": 0.001}}

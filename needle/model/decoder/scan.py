@@ -36,16 +36,21 @@ def device_memory_bytes() -> int | None:
 
 
 def resolve_remat(policy: str, cfg: ModelConfig, tokens: int) -> str:
-    """``policy``, with "auto" decided for a batch of ``tokens`` tokens: "dots_saveable" (keep every
-    matmul output, recompute the rest) when those outputs of all layers take at most half the
-    device's memory, else "nothing_saveable" (keep each block's input only). Qwen3-0.6B at
-    16 x 1024 would keep 15 GB under dots_saveable, more than a 16 GB TPU v5e can spare."""
+    """``policy``, with "auto" decided for a batch of ``tokens`` tokens: "dots_with_no_batch_dims_saveable"
+    (keep the projections' outputs, recompute the rest) when those outputs of all layers take at
+    most half the device's memory, else "nothing_saveable" (keep each block's input only).
+
+    Not "dots_saveable": it also keeps attention's score einsums (dots with batch dimensions), so
+    the blocked path's ``[B, K, G, block, T]`` float32 scores of every layer: the 135M Llama shape
+    at 16 x 1024 needed 21.1 GB of temporaries that way on a TPU v5e (2026-12-06), out of HBM.
+    Splash and cuDNN attention are kernels, not dots, so for them the two policies keep the same.
+    Qwen3-0.6B at 16 x 1024 would keep 15 GB, more than a 16 GB TPU v5e can spare."""
     if policy != "auto":
         return policy
     widths = 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model + 3 * cfg.d_ff
     kept = 2 * widths * tokens * cfg.n_layers  # bf16 matmul outputs
     limit = device_memory_bytes()
-    return "dots_saveable" if limit is not None and kept <= limit // 2 else "nothing_saveable"
+    return "dots_with_no_batch_dims_saveable" if limit is not None and kept <= limit // 2 else "nothing_saveable"
 
 
 def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
