@@ -80,7 +80,8 @@ def model_flops(cfg: Any, counts: dict[str, int], mode: str, seq: int) -> float:
 
 
 def random_params(cfg: Any, lora_cfg: LoraConfig | None, settings: Any, seed: int = 0) -> Any:
-    """Random weights at the model's shapes: N(0, 0.02) matrices, unit vectors, zero LoRA ``B``.
+    """Random weights at the model's shapes: N(0, 0.02) matrices, vectors (norm scales, biases) of
+    ones, zero LoRA ``B``.
 
     Not the model's own init: that is one jitted program running the unrolled forward pass and a
     generator per leaf, which compiled for over 100 s on a TPU v5e for the 135M shape (2026-12-06)
@@ -125,7 +126,7 @@ def run_case(
     from bench.memory import _peak_device_bytes, timed_steps
     from needle.model import lora as lora_lib
     from needle.model.hf.random_model import shape_config
-    from needle.model.decoder.scan import stack_model_layers
+    from needle.model.decoder.scan import resolve_remat, stack_model_layers
     from needle.model.decoder.transformer import Transformer
     from needle.train.run import make_apply_fn
     from needle.train.step import create_state, train_step
@@ -136,7 +137,8 @@ def run_case(
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)
     rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq,
-                           "settings": dataclasses.asdict(settings)}
+                           "settings": dataclasses.asdict(settings),
+                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq)}  # fmt: skip
     try:
         params = random_params(cfg, lora_cfg, settings)
         counts = count_matmul_params(params)

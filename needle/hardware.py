@@ -125,7 +125,7 @@ def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
         return BackendSettings(b, "float32", "float32", fused_attention=False, remat="none", scan_layers=False,
                                attention="blocked", loss_chunk=256)  # fmt: skip
     if b in GPU_BACKENDS or b == "tpu":
-        # Plenty of memory for these model sizes: keep matmul outputs, recompute elementwise ops.
+        # Keep the projections' outputs where they fit (remat auto), else each block's input.
         return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat="auto",
                                scan_layers=True, attention="auto", loss_chunk=1024,
                                residual_dtype="bfloat16")  # fmt: skip

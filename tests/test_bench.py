@@ -52,6 +52,28 @@ def test_random_params_have_the_models_tree_and_train_from_zero_adapters() -> No
                               np.asarray(params["block_1"]["attn"]["q_proj"]["kernel"]))
 
 
+def test_main_job_runs_the_flows_default_configs(tmp_path: Path) -> None:
+    from bench import main_job
+    from needle_flows.params import FinetuneParams
+
+    flow = FinetuneParams(preset=main_job.PRESET)  # what `needle finetune ... --preset small --base auto` runs
+    ours = main_job.job_configs(tmp_path, None, None, None)
+    cacheless = lambda c: c.model_copy(update={"compilation_cache_dir": None})  # noqa: E731 - ours is per state
+    train, optim = flow.training_configs()
+    assert cacheless(ours["train"]) == cacheless(train) and ours["optim"] == optim
+    assert ours["train"].compilation_cache_dir == str(tmp_path / "jax-cache")
+    auto = flow.auto_base()
+    assert ours["auto"].model == auto.model and ours["auto"].optim == auto.optim
+    assert cacheless(ours["auto"].train) == cacheless(auto.train)
+    assert ours["auto"].data.model_copy(update={"source": ""}) == auto.data.model_copy(update={"source": ""})
+    assert Path(ours["auto"].data.source).resolve() == (REPO / flow.base_data).resolve() == main_job.BASE_DATA
+    assert main_job.DATA == (REPO / flow.data).resolve() and ours["lora"] == flow.lora and ours["eval"] == flow.eval
+    result = {"device_kind": "cpu", "backend": "cpu", "times": {"base_s": 1.25}, "total_s": 1.25,
+              "comparison": {"exact_match": {"base": 0.5, "tuned": None}, "val_loss": None}}
+    assert main_job.format_result(result).splitlines() == [
+        "cpu (cpu): base_s 1.2; total 1.2 s", "  exact_match                      base   0.500  tuned       -"]
+
+
 def test_targets_pass_miss_and_unmeasured() -> None:
     result = {"train": {"small_lora": {"utilisation": 0.31}, "medium_lora": {"utilisation": 0.2}},
               "compile": {"warm_over_cold": 0.5}, "pipeline": {"mlflow_logging_share": 0.001}}

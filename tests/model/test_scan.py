@@ -45,13 +45,14 @@ def test_auto_remat_keeps_matmul_outputs_only_where_they_fit(cfg, monkeypatch):
 
 
 def test_auto_remat_keeps_projections_but_not_attention_scores(cfg, capsys):
-    """The policy "auto" picks keeps each projection's output of the scanned body and none of the
-    blocked path's score einsums, which dots_saveable keeps (out of a TPU's HBM at 135M x 16k tokens)."""
+    """dots_with_no_batch_dims_saveable ("auto" where it fits) keeps each projection's output of the
+    scanned body and none of the blocked path's score einsums, which dots_saveable keeps (out of a
+    TPU's HBM at 135M x 16k tokens)."""
     from jax.ad_checkpoint import print_saved_residuals
 
     tokens = jnp.zeros((2, 32), jnp.int32)
     kept = {}
-    for policy in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+    for policy in ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
         model = Transformer(cfg, settings=dataclasses.replace(SCAN, remat=policy, attention="blocked"))
         params = model.init(jax.random.key(0), tokens)["params"]
         print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
@@ -60,6 +61,7 @@ def test_auto_remat_keeps_projections_but_not_attention_scores(cfg, capsys):
         kept[policy] = (sum(r >= 6 for r in ranks), sum(r == 4 for r in ranks))  # [L,B,K,G,q,s] / [L,B,T,F]
     assert kept["dots_saveable"][0] > 0  # the score tensors, per layer
     assert kept["dots_with_no_batch_dims_saveable"] == (0, kept["dots_saveable"][1])  # projections all kept
+    assert kept["nothing_saveable"][1] < kept["dots_saveable"][1]  # ... which nothing_saveable recomputes
 
 
 def test_layer_period():
