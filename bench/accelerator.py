@@ -13,9 +13,11 @@ needle/hardware.py) one process, in order:
   (cases run smallest first, so it is each case's peak up to the largest one before it).
 
 ``--decode`` adds bench/memory.py's decoding of the 135M shape (8 rows of ~500 prompt tokens, 96
-new tokens; free, and the constrained path's device work with an all-allowed mask).
+new tokens; free, and the constrained path's device work with an all-allowed mask);
+``--decode-layers 1,15`` decodes the shape cut to those depths as well, so a step's time splits
+into a per-layer and a fixed part without a profiler.
 
-    python -m bench.accelerator [--cases 135m-lora-16x1024,...] [--steps 5] [--decode] [--out FILE]
+    python -m bench.accelerator [--cases 135m-lora-16x1024,...] [--steps 5] [--decode [--decode-layers N,...]] [--out FILE]
                                 [--set FIELD=VALUE] [--profile DIR]
 
 A case that runs out of memory is recorded with its error and the run goes on. Prints a table and
@@ -191,6 +193,9 @@ def format_table(result: dict[str, Any]) -> str:
             d = dec[kind]
             lines.append(f"decode 135m {kind:<11}: first pass {d['first_pass_s']:.1f} s, "
                          f"{d['warm_s'] / dec['max_new_tokens'] * 1e3:.2f} ms a step warm")  # fmt: skip
+    for n, d in sorted(result.get("decode_layers", {}).items(), key=lambda kv: int(kv[0])):
+        step = (d["free"]["warm_s"] - d["free"]["prefill_only_s"]) / (d["max_new_tokens"] - 1)
+        lines.append(f"decode 135m cut to {n:>2} layers: {step * 1e3:.2f} ms a free step after the prefill")
     return "\n".join(lines)
 
 
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--decode-layers", default="", metavar="N,...",
+                    help="with --decode, also decode the 135M shape cut to N layers (per-layer vs fixed cost a step)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a BackendSettings field over the backend default, e.g. remat=nothing_saveable")
     ap.add_argument("--out", default=None)
@@ -228,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         result["decode"] = child_decode("smollm2-135m", "new", 8, args.profile)
         print(json.dumps(result["decode"]), flush=True)
         out.write_text(json.dumps(result, indent=2))
+        for n in [int(x) for x in args.decode_layers.split(",") if x]:
+            result.setdefault("decode_layers", {})[str(n)] = child_decode("smollm2-135m", "new", 8, None, n)
+            out.write_text(json.dumps(result, indent=2))
     for case in [c for c in args.cases.split(",") if c]:
         rec = run_case(case, args.steps, peak["gflops"] * 1e9, overrides, args.profile)
         result["cases"].append(rec)

@@ -67,7 +67,7 @@ class RssWatch:
             time.sleep(0.02)
 
 
-def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
+def _model(shape: str, path: str, lora: bool, n_layers: int | None = None) -> tuple[Any, Any, Any]:
     import jax
 
     # lazy: jax loads after main() sets JAX_PLATFORMS, the model code after RssWatch takes the start RSS
@@ -78,6 +78,8 @@ def _model(shape: str, path: str, lora: bool) -> tuple[Any, Any, Any]:
     from needle.model.decoder.transformer import Transformer
 
     cfg = hf_config_to_model_config(shape_config(shape), max_len=1024)
+    if n_layers is not None:  # the shape with fewer or more blocks: what a step costs per layer
+        cfg = cfg.model_copy(update={"n_layers": n_layers, "layer_types": None})
     settings = settings_for(jax.default_backend(), cfg.n_layers)  # as run_training picks them
     if path == "old":
         settings = old_paths(settings)
@@ -153,9 +155,14 @@ def _gb(x: float | None) -> float | None:
     return None if x is None else x / 2**30
 
 
-def child_decode(shape: str, path: str, rows: int, trace_dir: str | None = None) -> dict[str, Any]:
+def child_decode(
+    shape: str, path: str, rows: int, trace_dir: str | None = None, n_layers: int | None = None
+) -> dict[str, Any]:  # fmt: skip
     """Free and constrained decoding of ``rows`` prompts: first pass and warm pass; with
-    ``trace_dir`` a third pass of each runs under ``jax.profiler.trace`` (a Perfetto trace per kind)."""
+    ``trace_dir`` a third pass of each runs under ``jax.profiler.trace`` (a Perfetto trace per kind).
+    ``free.prefill_only_s`` is a warm pass of one new token, so ``(warm_s - prefill_only_s) /
+    (max_new_tokens - 1)`` is a decoding step without the prefill; ``n_layers`` replaces the shape's
+    depth (a Llama-like shape: every layer the same kind), which splits a step into per-layer and fixed cost."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -165,15 +172,15 @@ def child_decode(shape: str, path: str, rows: int, trace_dir: str | None = None)
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
 
-    cfg, _, model = _model(shape, path, lora=False)
+    cfg, _, model = _model(shape, path, lora=False, n_layers=n_layers)
     params = lora_lib.init_params(cfg, None, 0, model.settings)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, PROMPT - 4 * i).tolist() for i in range(rows)]
     stop = cfg.vocab_size - 1  # random weights: rows mostly run their whole budget
     out: dict[str, Any] = {"rows": rows, "prompt_tokens": PROMPT, "max_new_tokens": NEW_TOKENS}
 
-    def free() -> Any:
-        return generate_detailed(model, params, prompts, max_new_tokens=NEW_TOKENS, end_id=stop, pad_id=0, batch_size=rows)
+    def free(new_tokens: int = NEW_TOKENS) -> Any:
+        return generate_detailed(model, params, prompts, max_new_tokens=new_tokens, end_id=stop, pad_id=0, batch_size=rows)
 
     def constrained() -> int:
         # The constrained path's device work (decode.py's host loop) with an all-allowed mask.
@@ -207,6 +214,11 @@ def child_decode(shape: str, path: str, rows: int, trace_dir: str | None = None)
         if trace_dir:
             with jax.profiler.trace(f"{trace_dir}/decode-{name}", create_perfetto_trace=True):
                 fn()
+    free(1)  # compiles the one-token program
+    t0 = time.perf_counter()
+    free(1)
+    out["free"]["prefill_only_s"] = time.perf_counter() - t0
+    out["n_layers"] = cfg.n_layers
     out["peak_device_gb"] = _gb(_peak_device_bytes())
     return out
 
