@@ -181,3 +181,28 @@ def test_init_adapters_computes_the_adapters_of_init_params_only():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(fa))
     assert [x.shape for x in jax.tree.leaves(fa)] == [x.shape for x in jax.tree.leaves(fb)]
+
+
+def test_a_deep_model_initialises_op_by_op_with_the_jitted_values(monkeypatch):
+    """From EAGER_INIT_MIN_LAYERS layers init_params runs op by op (one small program per distinct
+    shape, not one program with a generator per leaf): the same tree, dtypes and values to float
+    rounding; shallower models keep the jitted program's exact values."""
+    from needle.config import LoraConfig, model_preset
+    from needle.model import lora as lora_lib
+
+    lora, real_jit, jitted_fns = LoraConfig(rank=4), jax.jit, []
+    monkeypatch.setattr(lora_lib.jax, "jit", lambda fn, *a, **k: jitted_fns.append(fn) or real_jit(fn, *a, **k))
+    for n_layers, exact in ((2, True), (lora_lib.EAGER_INIT_MIN_LAYERS, False)):
+        cfg = model_preset("tiny", n_layers=n_layers)
+        init, key = lora_lib._initializer(cfg, lora, 5, None)
+        jitted = real_jit(init)(key)
+        jitted_fns.clear()
+        got = lora_lib.init_params(cfg, lora, 5)
+        assert bool(jitted_fns) == exact  # the whole init as one jitted program only for the shallow model
+        assert jax.tree.structure(got) == jax.tree.structure(jitted)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jitted)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            if exact:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            else:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
