@@ -85,9 +85,10 @@ def random_params(cfg: Any, lora_cfg: LoraConfig | None, settings: Any, seed: in
     """Random weights at the model's shapes: N(0, 0.02) matrices, vectors (norm scales, biases) of
     ones, zero LoRA ``B``.
 
-    Not the model's own init: that is one jitted program running the unrolled forward pass and a
-    generator per leaf, which compiled for over 100 s on a TPU v5e for the 135M shape (2026-12-06)
-    and 83 s on the 2-core CPU. Here one small sampler is compiled per distinct shape (a handful)."""
+    Not the model's own init: as one jitted program (a generator per leaf) it compiled for over
+    100 s on a TPU v5e for the 135M shape (2026-12-06) and 73 s on the 2-core CPU; the library now
+    runs a deep model's init op by op (``lora.EAGER_INIT_MIN_LAYERS``), and this needs neither the
+    forward pass nor float32 copies of every weight. One small sampler per distinct shape."""
     import jax
     import jax.numpy as jnp
 
@@ -177,6 +178,19 @@ def run_case(
     return rec
 
 
+def _depths(text: str) -> list[int]:
+    """``--decode-layers``: comma-separated layer counts, each at least 1."""
+    depths = [int(x) for x in text.split(",") if x.strip()]
+    if any(n < 1 for n in depths):
+        raise argparse.ArgumentTypeError(f"layer counts must be >= 1: {text!r}")
+    return depths
+
+
+def _step_after_prefill(dec: dict[str, Any]) -> float:
+    """A free decoding step without the prefill: the warm pass less a one-token pass, per later token."""
+    return (dec["free"]["warm_s"] - dec["free"]["prefill_only_s"]) / (dec["max_new_tokens"] - 1)
+
+
 def format_table(result: dict[str, Any]) -> str:
     """One line per case: compile, step, tokens/s, share of the peak, HBM."""
     lines = [f"{result['device_kind']} ({result['backend']}), bf16 peak {result['peak_tflops']:.1f} TFLOP/s",
@@ -193,9 +207,10 @@ def format_table(result: dict[str, Any]) -> str:
             d = dec[kind]
             lines.append(f"decode 135m {kind:<11}: first pass {d['first_pass_s']:.1f} s, "
                          f"{d['warm_s'] / dec['max_new_tokens'] * 1e3:.2f} ms a step warm")  # fmt: skip
-    for n, d in sorted(result.get("decode_layers", {}).items(), key=lambda kv: int(kv[0])):
-        step = (d["free"]["warm_s"] - d["free"]["prefill_only_s"]) / (d["max_new_tokens"] - 1)
-        lines.append(f"decode 135m cut to {n:>2} layers: {step * 1e3:.2f} ms a free step after the prefill")
+    if dec and "prefill_only_s" in dec["free"]:
+        depths = {str(dec.get("n_layers")): dec, **result.get("decode_layers", {})}
+        for n, d in sorted(depths.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"decode 135m, {n:>2} layers: {_step_after_prefill(d) * 1e3:.2f} ms a free step after the prefill")
     return "\n".join(lines)
 
 
@@ -204,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--decode", action="store_true")
-    ap.add_argument("--decode-layers", default="", metavar="N,...",
+    ap.add_argument("--decode-layers", type=_depths, default=[], metavar="N,...",
                     help="with --decode, also decode the 135M shape cut to N layers (per-layer vs fixed cost a step)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a BackendSettings field over the backend default, e.g. remat=nothing_saveable")
@@ -212,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also trace two steps of each case (and a decoding pass) into DIR; summarise with bench.trace")
     args = ap.parse_args(argv)
+    if args.decode_layers and not args.decode:
+        ap.error("--decode-layers needs --decode")
 
     prepare_platform_env()
     import jax
@@ -235,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         result["decode"] = child_decode("smollm2-135m", "new", 8, args.profile)
         print(json.dumps(result["decode"]), flush=True)
         out.write_text(json.dumps(result, indent=2))
-        for n in [int(x) for x in args.decode_layers.split(",") if x]:
+        for n in args.decode_layers:
             result.setdefault("decode_layers", {})[str(n)] = child_decode("smollm2-135m", "new", 8, None, n)
             out.write_text(json.dumps(result, indent=2))
     for case in [c for c in args.cases.split(",") if c]:

@@ -49,7 +49,8 @@ def _name(path: tuple[str, ...]) -> str:
 # random generator per leaf into that program (the 135M Llama shape, 30 layers and LoRA: 73 s on
 # the 2-core CPU, over 100 s on a TPU v5e), while op by op compiles one per distinct shape (11 s
 # cold, 3.6 s warm). The values agree to float rounding (1.5e-8), not bit for bit, so shallower
-# models (the presets, the tests' models) keep the jitted program and their exact values.
+# models (the tiny, small and medium presets, the tests' models) keep the jitted program and
+# their exact values; needle-45m (12 layers) and the real shapes initialise op by op.
 EAGER_INIT_MIN_LAYERS = 8
 
 
@@ -63,11 +64,14 @@ def init_params(
 
 
 def init_adapters(cfg: ModelConfig, lora: LoraConfig, rng: jax.Array | int, settings: BackendSettings | None = None) -> Params:
-    """:func:`init_params`' tree with only the adapter leaves computed (the same values), the base
-    leaves as ``jax.ShapeDtypeStruct``: for a base whose weights replace them (:func:`attach_base`).
+    """:func:`init_params`' tree with only the adapter leaves computed, the base leaves as
+    ``jax.ShapeDtypeStruct``: for a base whose weights replace them (:func:`attach_base`). The
+    adapters are init_params' own: bit for bit below ``EAGER_INIT_MIN_LAYERS``, to float rounding
+    from there (init_params runs op by op there, this stays one jitted program).
 
     Compiling only the adapters' initialisers is what makes this cheap: the 135M Llama shape's
-    whole init program compiled for 83 s on the 2-core CPU, the adapters' alone 21 s (2026-12-06)."""
+    whole init program compiled for 83 s on the 2-core CPU, the adapters' alone 21 s (2026-12-06).
+    Op by op it would build the whole frozen base in float32 first."""
     init, key = _initializer(cfg, lora, rng, settings)
     adapters = jax.jit(lambda k: split_trainable(init(k), "lora")[0])(key)
     return combine(adapters, split_trainable(jax.eval_shape(init, key), "lora")[1])

@@ -167,8 +167,8 @@ def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
 
 
 def test_init_adapters_computes_the_adapters_of_init_params_only():
-    """The adapters a LoRA run starts from are init_params' own (same seed, same values); the
-    base leaves, replaced by the base's weights anyway, are only shapes."""
+    """The adapters a LoRA run starts from are init_params' own (same seed, same values below
+    EAGER_INIT_MIN_LAYERS); the base leaves, replaced by the base's weights anyway, are only shapes."""
     from needle.config import LoraConfig, model_preset
     from needle.model.lora import init_adapters, init_params, split_trainable
 
@@ -190,15 +190,20 @@ def test_a_deep_model_initialises_op_by_op_with_the_jitted_values(monkeypatch):
     from needle.config import LoraConfig, model_preset
     from needle.model import lora as lora_lib
 
-    lora, real_jit, jitted_fns = LoraConfig(rank=4), jax.jit, []
-    monkeypatch.setattr(lora_lib.jax, "jit", lambda fn, *a, **k: jitted_fns.append(fn) or real_jit(fn, *a, **k))
+    lora, make_init, traced = LoraConfig(rank=4), lora_lib._initializer, []
+
+    def recording(*args):  # the init's key is a tracer exactly when the init runs under jit
+        init, key = make_init(*args)
+        return (lambda k: traced.append(isinstance(k, jax.core.Tracer)) or init(k)), key
+
+    monkeypatch.setattr(lora_lib, "_initializer", recording)
     for n_layers, exact in ((2, True), (lora_lib.EAGER_INIT_MIN_LAYERS, False)):
         cfg = model_preset("tiny", n_layers=n_layers)
-        init, key = lora_lib._initializer(cfg, lora, 5, None)
-        jitted = real_jit(init)(key)
-        jitted_fns.clear()
+        init, key = make_init(cfg, lora, 5, None)
+        jitted = jax.jit(init)(key)
+        traced.clear()
         got = lora_lib.init_params(cfg, lora, 5)
-        assert bool(jitted_fns) == exact  # the whole init as one jitted program only for the shallow model
+        assert traced == [exact]  # one call of the init: traced for the shallow model, concrete for the deep one
         assert jax.tree.structure(got) == jax.tree.structure(jitted)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jitted)):
             assert a.dtype == b.dtype and a.shape == b.shape
