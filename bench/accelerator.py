@@ -86,9 +86,9 @@ def random_params(cfg: Any, lora_cfg: LoraConfig | None, settings: Any, seed: in
     ones, zero LoRA ``B``.
 
     Not the model's own init: as one jitted program (a generator per leaf) it compiled for over
-    100 s on a TPU v5e for the 135M shape (2026-12-06) and 73 s on the 2-core CPU; the library now
-    runs a deep model's init op by op (``lora.EAGER_INIT_MIN_LAYERS``), and this needs neither the
-    forward pass nor float32 copies of every weight. One small sampler per distinct shape."""
+    100 s on a TPU v5e for the 135M shape (2026-12-06) and 73 s on the 2-core CPU. The library now
+    runs a deep model's init op by op (``lora.EAGER_INIT_MIN_LAYERS``), which would serve as well,
+    but only this sampler has been measured on the TPU. One small sampler per distinct shape."""
     import jax
     import jax.numpy as jnp
 

@@ -84,9 +84,8 @@ def run_stages(state: Path, steps: int | None, base_steps: int | None, eval_rows
     lap("lora_s")
     report = pipeline.evaluate(base, tuned.model_dir, prepared, cfg["eval"], state / "eval" / key)
     lap("evaluate_s")
-    turns = sum(1 for _ in (report.report_dir / "tuned" / "examples.jsonl").open())
     return {"backend": jax.default_backend().lower(), "device_kind": jax.devices()[0].device_kind,
-            "base_cached": base.cached, "test_rows": len(prepared.data.splits["test"]), "eval_turns": turns,
+            "base_cached": base.cached, "test_rows": len(prepared.data.splits["test"]), "eval_turns": report.comparison["n"]["tuned"],
             "times": times, "total_s": round(sum(times.values()), 2), "train_loss": tuned.train_loss,
             "val_loss": tuned.val_loss, "comparison": {k: report.comparison.get(k) for k in ROWS}}  # fmt: skip
 
