@@ -50,10 +50,16 @@ def chunked_loss_sum(
         m = jnp.concatenate([m, jnp.zeros((pad,), m.dtype)])
     steps = h.shape[0] // chunk
 
-    @jax.checkpoint
-    def one(hc: jax.Array, yc: jax.Array, mc: jax.Array) -> jax.Array:
+    def chunk_loss(hc: jax.Array, yc: jax.Array, mc: jax.Array) -> jax.Array:
         logits = logits_fn(hc).astype(jnp.float32)
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, yc) * mc)
+
+    @jax.checkpoint
+    def one(hc: jax.Array, yc: jax.Array, mc: jax.Array) -> jax.Array:
+        # A chunk without loss tokens adds exactly 0 and passes back a zero gradient, so it skips
+        # the output layer, forward and backward: most chunks of a tool-calling row are prompt.
+        skip = lambda hc, yc, mc: jnp.zeros((), jnp.float32)  # noqa: E731
+        return jax.lax.cond(jnp.any(mc != 0), chunk_loss, skip, hc, yc, mc)
 
     if steps == 1:
         total = one(h, y, m)

@@ -61,6 +61,50 @@ def test_blocked_gradient_equals_dense():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
+def _long_rows(b, t, seed=0):
+    """Every batch row packs rows of 5-17 tokens (then padding), so later query blocks skip keys."""
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((b, t), np.int32)
+    for r in range(b):
+        at, sid = int(rng.integers(0, 4)), 1
+        while at < t - 3:
+            n = int(rng.integers(5, 18))
+            seg[r, at : at + n] = sid
+            at, sid = at + n, sid + 1
+    return jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_blocked_skips_keys_of_earlier_rows_exactly(window):
+    """Packed rows in every batch row: query blocks start their keys at their first row's block,
+    (several compiled branches); output and gradient equal the dense path's."""
+    t = 61
+    q, k, v = _qkv(t=t, seed=4)
+    seg = _long_rows(2, t)
+    seg_mask = seg[:, None, :, None] == seg[:, None, None, :]
+    dense = lambda q, k, v: softcapped_attention(q, k, v, None, window, None, 1e9, seg_mask)  # noqa: E731
+    for block in (4, 8):
+        blocked = lambda q, k, v: blocked_attention(q, k, v, window=window, segment_ids=seg, block=block)  # noqa: E731
+        np.testing.assert_allclose(np.asarray(jax.jit(blocked)(q, k, v)), np.asarray(dense(q, k, v)), atol=1e-5)
+        loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))  # noqa: E731
+        want = jax.grad(loss(dense), (0, 1, 2))(q, k, v)
+        got = jax.jit(jax.grad(loss(blocked), (0, 1, 2)))(q, k, v)
+        for a, b in zip(want, got):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+
+
+def test_blocked_packed_rows_never_read_earlier_rows_keys():
+    """A key block wholly before every batch row's current row is not read: NaN keys there do not
+    reach the output (without the skip, 0 x NaN would)."""
+    t, block = 32, 8
+    q, k, v = _qkv(t=t, seed=5)
+    seg = np.ones((2, t), np.int32)
+    seg[:, 16:] = 2  # rows [0, 16) and [16, 32) in both batch rows
+    poisoned = v.at[:, :8].set(jnp.nan)
+    out = np.asarray(jax.jit(lambda v: blocked_attention(q, k, v, segment_ids=jnp.asarray(seg), block=block))(poisoned))
+    assert np.isnan(out[:, :8]).all() and np.isfinite(out[:, 16:]).all()
+
+
 def _gemma(cfg):
     return cfg.model_copy(update=dict(
         arch="gemma3_text", qk_norm=True, norm_offset_one=True, post_norms=True, embed_scale=True,
@@ -93,3 +137,16 @@ def test_model_blocked_equals_dense_packed_and_prefill(cfg, make_tokens, family)
     np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5)
     for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+def test_tiled_program_does_not_grow_with_sequence_length():
+    """Packed attention loops over tiles (lax loops): 8x the tiles, the same program size."""
+    from needle.model.decoder.tiled import tiled_attention
+
+    def hlo_ops(t):
+        q, k, v = _qkv(b=1, t=t)
+        seg = jnp.asarray(np.arange(t) // 10 + 1, jnp.int32)[None]
+        grad = jax.grad(lambda q, k, v: jnp.sum(tiled_attention(q, k, v, seg, block=8)), (0, 1, 2))
+        return jax.jit(grad).lower(q, k, v).as_text().count("\n")
+
+    assert hlo_ops(8 * 64) <= hlo_ops(64) * 1.05

@@ -78,6 +78,29 @@ def test_chunked_loss_sum_raw_function():
         chunked_loss_sum(lambda x: x @ w, h, y, m, 0)
 
 
+def test_chunks_without_loss_tokens_skip_the_output_layer():
+    rng = np.random.default_rng(2)
+    h = np.asarray(rng.normal(size=(2, 8, 4)), np.float32)
+    w = jnp.asarray(rng.normal(size=(4, 13)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 13, (2, 8)), jnp.int32)
+    m = np.zeros((2, 8), np.float32)
+    m[0, 6:] = m[1, 7] = 1.0  # loss tokens only in the 2nd and 4th chunks of 4
+    h_nan = h.copy()
+    h_nan[0, :4] = np.nan  # a chunk with no loss tokens: its logits are never formed
+    ref_total, ref_n = dense_loss_sum(jnp.asarray(h) @ w, y, jnp.asarray(m))
+
+    def loss(hidden):
+        return chunked_loss_sum(lambda x: x @ w, hidden, y, jnp.asarray(m), 4)[0]
+
+    total, n = chunked_loss_sum(lambda x: x @ w, jnp.asarray(h_nan), y, jnp.asarray(m), 4)
+    np.testing.assert_allclose(float(total), float(ref_total), rtol=1e-6)
+    assert float(n) == float(ref_n) == 3.0
+    grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(h_nan)))
+    ref_grad = np.asarray(jax.grad(lambda x: dense_loss_sum(x @ w, y, jnp.asarray(m))[0])(jnp.asarray(h)))
+    assert np.all(grad[0, :4] == 0) and np.all(grad[1, :4] == 0)
+    np.testing.assert_allclose(grad[:, 4:], ref_grad[:, 4:], rtol=1e-5, atol=1e-6)
+
+
 def test_train_step_chunked_equals_dense():
     from needle.config import OptimConfig
     from needle.train.run import make_apply_fn

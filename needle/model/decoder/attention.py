@@ -2,12 +2,14 @@
 
 ``blocked_attention(q, k, v, ...)`` computes exactly what the dense path of
 needle/model/decoder/transformer.py computes (causal, grouped-query, optional sliding window, packing's
-segment ids, Gemma's attention soft cap), one block of ``block`` queries at a time. Each query
-block sees only the key range it can reach (``[start - window + 1, end)`` for a sliding window,
-``[0, end)`` otherwise), so the scores held at once are ``[B, H, block, <= T]`` and the masked-out
-upper triangle beyond a block's last query is never computed (about half of the causal score
-work at long ``T``). Each block runs under ``jax.checkpoint``: the backward pass recomputes its
-scores instead of keeping its probabilities, so training holds only q, k, v and the output.
+segment ids, Gemma's attention soft cap), one block of ``block`` queries at a time. Packed rows
+(``segment_ids``) go to needle/model/decoder/tiled.py instead, which also skips the keys of
+earlier rows. Each query block sees only the key range it can reach (``[start - window + 1,
+end)`` for a sliding window, ``[0, end)`` otherwise), so the scores held at once are ``[B, H,
+block, <= T]`` and the masked-out upper triangle beyond a block's last query is never computed
+(about half of the causal score work at long ``T``). Each block runs under ``jax.checkpoint``:
+the backward pass recomputes its scores instead of keeping its probabilities, so training holds
+only q, k, v and the output.
 
 Within a block the softmax is exact over the block's whole key range (no online rescaling is
 needed because the keys of one block fit at once; ``T`` here is at most a few thousand), in
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from needle.model.decoder.tiled import tiled_attention
 
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -64,6 +68,8 @@ def blocked_attention(
     leaves rematerialisation to the caller (a block-level remat policy already recomputes it)."""
     b, t, h, hd = q.shape
     kv = check_self_attention(q, k, "blocked")
+    if segment_ids is not None:  # packed rows: key tiles of other rows are skipped (needle/model/decoder/tiled.py)
+        return tiled_attention(q, k, v, segment_ids, scale=scale, window=window, softcap=softcap, block=block)
     scale = hd**-0.5 if scale is None else float(scale)
     qg = q.reshape(b, t, kv, h // kv, hd)
     fn = jax.checkpoint(_block, static_argnums=(3, 4, 5, 6, 7)) if checkpoint else _block
