@@ -41,8 +41,9 @@ def tiled_attention(
     if h % kv or k.shape[1] != t or segment_ids.shape != (b, t):
         raise ValueError(f"tiled attention: q {q.shape}, k {k.shape}, segment_ids {segment_ids.shape}")
     scale = hd**-0.5 if scale is None else float(scale)
-    blk = min(block, t)
-    n = -(-t // blk)
+    # As few tiles as ``block`` allows, of near-equal size: T=288 is 2 x 144, not 2 x 256 (padded).
+    n = -(-t // block)
+    blk = -(-t // n)
     pad = n * blk - t
     seg = segment_ids.astype(jnp.int32)
     if pad:
