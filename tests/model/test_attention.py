@@ -51,12 +51,13 @@ def test_blocked_equals_dense(window, softcap, packed):
         np.testing.assert_allclose(np.asarray(out), np.asarray(nn_ref), atol=1e-5)
 
 
-def test_blocked_gradient_equals_dense():
+@pytest.mark.parametrize("block", [5, 16])  # packed rows in tiles (over two blocks), and in query blocks
+def test_blocked_gradient_equals_dense(block):
     q, k, v = _qkv(t=17)
     seg = _segments(2, 17)
     seg_mask = seg[:, None, :, None] == seg[:, None, None, :]
     dense = lambda q, k, v: jnp.sum(jnp.sin(softcapped_attention(q, k, v, None, 6, None, 30.0, seg_mask)))  # noqa: E731
-    blocked = lambda q, k, v: jnp.sum(jnp.sin(blocked_attention(q, k, v, window=6, softcap=30.0, segment_ids=seg, block=5)))  # noqa: E731
+    blocked = lambda q, k, v: jnp.sum(jnp.sin(blocked_attention(q, k, v, window=6, softcap=30.0, segment_ids=seg, block=block)))  # noqa: E731
     for a, b in zip(jax.grad(dense, (0, 1, 2))(q, k, v), jax.grad(blocked, (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
