@@ -77,8 +77,8 @@ def _long_rows(b, t, seed=0):
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_blocked_skips_keys_of_earlier_rows_exactly(window):
-    """Packed rows in every batch row: query blocks start their keys at their first row's block,
-    (several compiled branches); output and gradient equal the dense path's."""
+    """Packed rows in every batch row: query tiles start their keys at their first row's tile;
+    output and gradient equal the dense path's."""
     t = 61
     q, k, v = _qkv(t=t, seed=4)
     seg = _long_rows(2, t)

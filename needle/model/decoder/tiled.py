@@ -2,19 +2,21 @@
 
 ``tiled_attention(q, k, v, segment_ids, ...)`` computes what ``blocked_attention`` computes for
 packed rows (causal, grouped-query, optional sliding window, Gemma's soft cap) one query tile of
-``block`` positions at a time, over key tiles of the same size: from the first tile holding the
-start of any of its queries' rows (their segment id's first position, in every batch row) or of
-its window, up to its own tile. A sequence packing rows of ``L`` tokens thus costs about ``L / T``
-of the causal score work, where blocked attention scores every earlier key; on the 2-core CPU
-the 135M Llama shape's forward pass over 2 x 3216 tokens packing rows of ~1600 took 15 s instead
-of 22 s (2026-12-06).
+at most ``block`` positions at a time, over key tiles of the same size: from the later of the
+first tile holding the start of any of its queries' rows (their segment id's first position, the
+earliest over the batch) and its window's first tile, up to its own tile. A sequence packing rows
+of ``L`` tokens thus costs about ``L / T`` of the causal score work at batch size 1 (the earliest
+row start over a batch skips less), where blocked attention scores every earlier key. On the
+2-core CPU one attention layer of the 135M Llama shape over 2 x 3216 tokens packing rows of ~1600
+took 230 ms forward and 759 ms forward and backward, against blocked attention's 733 and 1795 ms
+(2026-12-06).
 
 The softmax runs online over the key tiles in float32 (flash attention), so no row of scores is
 ever held whole. Both loops are ``lax`` loops: the program does not grow with ``T`` (a branch per
 possible start tile compiled 19 s longer for that shape). The backward pass is a ``custom_vjp``
-that recomputes each tile's probabilities from the saved log-sum-exp, so training keeps q, k, v,
-the output and one float per query and head. The result equals the dense path's to float32
-rounding (tests/model/test_attention.py).
+that recomputes each tile's probabilities from the saved log-sum-exp, so training keeps q, k, v
+(as tiles), the float32 output and one float per query and head, never a tile's probabilities.
+The result equals the dense path's to float32 rounding (tests/model/test_attention.py).
 
     out = tiled_attention(q, k, v, segment_ids, scale=hd**-0.5, window=None, softcap=None)
     # q [B, T, H, hd], k/v [B, T, K, hd] (H a multiple of K), segment_ids [B, T] -> [B, T, H, hd]
@@ -40,6 +42,8 @@ def tiled_attention(
     kv = k.shape[2]
     if h % kv or k.shape[1] != t or segment_ids.shape != (b, t):
         raise ValueError(f"tiled attention: q {q.shape}, k {k.shape}, segment_ids {segment_ids.shape}")
+    if window is not None and window < 1:
+        raise ValueError(f"tiled attention: window must be >= 1 (a query sees itself), got {window}")
     scale = hd**-0.5 if scale is None else float(scale)
     # As few tiles as ``block`` allows, of near-equal size: T=288 is 2 x 144, not 2 x 256 (padded).
     n = -(-t // block)
@@ -62,16 +66,16 @@ def _first_tiles(seg: jax.Array, blk: int, window: int | None) -> jax.Array:
     """Per query tile, the first key tile any of its queries can attend to, ``[n]`` int32."""
     n = seg.shape[1] // blk
 
-    def first(i: jax.Array) -> jax.Array:
+    def row_starts(i: jax.Array) -> jax.Array:
         qs = jax.lax.dynamic_slice_in_dim(seg, i * blk, blk, axis=1)
         # argmax of a boolean row is its first True: the first position of each query's segment id.
-        row_start = jnp.min(jnp.argmax(qs[:, :, None] == seg[:, None, :], axis=2))
-        lo = row_start // blk
-        if window is not None:
-            lo = jnp.maximum(lo, jnp.maximum(i * blk - window + 1, 0) // blk)
-        return lo.astype(jnp.int32)
+        return jnp.min(jnp.argmax(qs[:, :, None] == seg[:, None, :], axis=2), axis=1)  # [B]
 
-    return jax.lax.map(first, jnp.arange(n))
+    # One minimum over the batch after the loop (one reduction, also across devices).
+    lo = jnp.min(jax.lax.map(row_starts, jnp.arange(n)), axis=1) // blk
+    if window is not None:
+        lo = jnp.maximum(lo, jnp.maximum(jnp.arange(n) * blk - window + 1, 0) // blk)
+    return lo.astype(jnp.int32)
 
 
 def _scores(qi, kj, si, sj, i, j, blk, scale, window, softcap):  # noqa: ANN001, ANN202
@@ -128,19 +132,22 @@ def _attention(blk: int, scale: float, window: int | None, softcap: float | None
         delta = jnp.sum(dout * out, axis=-1)  # rowsum(dO * O), [n, B, K, G, q]
 
         def q_tile(carry, i):  # noqa: ANN001, ANN202
-            qi, si, gi = qt[i], st[i], dout[i]
+            qi, si, gi = qt[i], st[i], dout[i].astype(vt.dtype)
 
             def body(j, c):  # noqa: ANN001, ANN202
                 dq, dk, dv = c
                 kj, vj = kt[j], vt[j]
                 s, mask, capped = scores(qi, kj, si, st[j], i, j)
+                # Matmul operands in the inputs' dtype (bfloat16 on accelerators), sums in float32.
                 p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
-                dv = dv.at[j].add(jnp.einsum("bkgqs,bkgqd->bksd", p, gi))
+                pv = jnp.einsum("bkgqs,bkgqd->bksd", p.astype(vj.dtype), gi, preferred_element_type=jnp.float32)
+                dv = dv.at[j].add(pv)
                 dp = jnp.einsum("bkgqd,bksd->bkgqs", gi, vj, preferred_element_type=jnp.float32)
                 ds = p * (dp - delta[i][..., None])
                 if capped is not None:
                     ds = ds * (1.0 - capped * capped)
                 ds = ds * scale
+                ds = ds.astype(qi.dtype)
                 dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32)
                 dk = dk.at[j].add(jnp.einsum("bkgqs,bkgqd->bksd", ds, qi, preferred_element_type=jnp.float32))
                 return dq, dk, dv
