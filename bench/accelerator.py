@@ -20,6 +20,10 @@ into a per-layer and a fixed part without a profiler.
     python -m bench.accelerator [--cases 135m-lora-16x1024,...] [--steps 5] [--decode [--decode-layers N,...]] [--out FILE]
                                 [--set FIELD=VALUE] [--profile DIR]
 
+A case may carry its own settings after a bar, ``135m-lora-16x1024|attention=blocked,remat=none``
+(over ``--set``), and ``layers=N`` cuts the shape to N blocks (a step's per-layer and fixed cost):
+one process then compares variants against the same measured peak.
+
 A case that runs out of memory is recorded with its error and the run goes on. Prints a table and
 writes JSON (default bench/results/accelerator-<backend>.json).
 """
@@ -43,6 +47,23 @@ DEFAULT_CASES = (
     "135m-lora-16x1024", "135m-full-16x1024", "270m-lora-16x1024", "0.6b-lora-16x1024", "0.6b-full-16x1024",
     "0.6b-full-16x2048", "1.7b-lora-8x2048",
 )  # fmt: skip
+
+
+def parse_value(value: str) -> Any:
+    """A ``--set`` value: true/false, an integer, else the string."""
+    return {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``135m-lora-16x1024|attention=blocked,layers=2`` -> (the case, its settings)."""
+    case, _, rest = text.partition("|")
+    settings: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"case {text!r}: settings after '|' are FIELD=VALUE, got {item!r}")
+        settings[key] = parse_value(value)
+    return case, settings
 
 
 def parse_case(text: str) -> tuple[str, str, int, int]:
@@ -111,6 +132,17 @@ def random_params(cfg: Any, lora_cfg: LoraConfig | None, settings: Any, seed: in
     return jax.tree_util.tree_unflatten(treedef, [sample(i, path, s) for i, (path, s) in enumerate(flat)])
 
 
+def split_cases(text: str) -> list[str]:
+    """``--cases``: comma-separated cases, a case's own settings (after ``|``) kept with it."""
+    out: list[str] = []
+    for part in filter(None, text.split(",")):
+        if out and "|" in out[-1] and "=" in part and "-" not in part.split("=")[0]:
+            out[-1] += "," + part  # a further FIELD=VALUE of the case before
+        else:
+            out.append(part)
+    return out
+
+
 def _gb(x: float | None) -> float | None:
     return None if x is None else round(x / 2**30, 3)
 
@@ -120,7 +152,8 @@ def run_case(
 ) -> dict[str, Any]:  # fmt: skip
     """Compile and time one case; an out-of-memory error is the record's ``error``.
 
-    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat=...``);
+    ``overrides``: BackendSettings fields over the backend's defaults (``--set remat=...``), and
+    ``layers``: the shape cut to that many blocks;
     ``trace_dir``: two more steps under ``jax.profiler.trace`` (a Perfetto trace, bench/trace.py reads it)."""
     import jax
 
@@ -135,13 +168,18 @@ def run_case(
     from needle.train.step import create_state, train_step
 
     shape, mode, rows, seq = parse_case(case)
+    overrides = dict(overrides or {})
+    layers = overrides.pop("layers", None)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
-    settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers), **(overrides or {}))
+    settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers), **overrides)
+    if layers is not None:  # after settings_for: the same program as the whole shape's, fewer blocks
+        kinds = cfg.layer_types[:layers] if cfg.layer_types else None
+        cfg = type(cfg).model_validate({**cfg.model_dump(), "n_layers": layers, "layer_types": kinds})
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)
-    rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq,
+    rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq, "n_layers": cfg.n_layers,
                            "settings": dataclasses.asdict(settings),
-                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq)}  # fmt: skip
+                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq, mode == "full")}  # fmt: skip
     try:
         params = random_params(cfg, lora_cfg, settings)
         counts = count_matmul_params(params)
@@ -197,9 +235,9 @@ def format_table(result: dict[str, Any]) -> str:
              f"{'case':<20} {'compile s':>9} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'HBM GB':>7}"]  # fmt: skip
     for r in result["cases"]:
         if "error" in r:
-            lines.append(f"{r['case']:<20} {r['error'][:90]}")
+            lines.append(f"{r.get('variant', r['case']):<20} {r['error'][:90]}")
             continue
-        lines.append(f"{r['case']:<20} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
+        lines.append(f"{r.get('variant', r['case']):<20} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
                      f"{r['mfu']:>6.1%} {r.get('hbm_gb') or 0:>7.2f}")  # fmt: skip
     dec = result.get("decode")
     if dec:
@@ -238,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {}
     for item in args.set:
         key, _, value = item.partition("=")
-        overrides[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+        overrides[key] = parse_value(value)
     backend = jax.default_backend().lower()
     peak = measure_matmul_peak(8192 if backend != "cpu" else 2048, "bfloat16", repeats=5)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "backend": backend,
@@ -255,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.decode_layers:
             result.setdefault("decode_layers", {})[str(n)] = child_decode("smollm2-135m", "new", 8, None, n)
             out.write_text(json.dumps(result, indent=2))
-    for case in [c for c in args.cases.split(",") if c]:
-        rec = run_case(case, args.steps, peak["gflops"] * 1e9, overrides, args.profile)
+    for variant in split_cases(args.cases):
+        case, own = parse_variant(variant)
+        rec = run_case(case, args.steps, peak["gflops"] * 1e9, {**overrides, **own}, args.profile)
+        rec["variant"] = variant
         result["cases"].append(rec)
         print(json.dumps(rec), flush=True)
         out.write_text(json.dumps(result, indent=2))

@@ -41,8 +41,12 @@ REMAT_POLICIES = (
     "none", "everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
     "everything_saveable", "checkpoint_dots", "checkpoint_dots_with_no_batch_dims",
     "recompute",  # keep each block's input only, recompute in a custom VJP (model/recompute.py)
-    # dots_with_no_batch_dims_saveable when the projections' outputs fit in half the device's
-    # memory for the batch at hand, else nothing_saveable (needle/model/decoder/scan.py resolve_remat)
+    # keep the MLP's gate and up outputs and the residual between attention and MLP, recompute the
+    # attention half (q/k/v projections, attention's forward): the MLP's matmuls are most of a block's
+    "mlp_saveable",
+    # the most the batch's activations fit in the device memory the train state leaves:
+    # dots_with_no_batch_dims_saveable, else mlp_saveable, else nothing_saveable
+    # (needle/model/decoder/scan.py resolve_remat)
     "auto",
 )  # fmt: skip
 # "dense": one [B,H,T,T] float32 score tensor per layer (the old path); "blocked": query blocks
@@ -50,7 +54,8 @@ REMAT_POLICIES = (
 # jax.nn.dot_product_attention where it serves (NVIDIA GPU, half precision, no soft cap, no
 # packing), blocked everywhere else.
 # "splash": Pallas splash attention (needle/model/decoder/splash.py), what "auto" takes on a TPU for the
-# shapes it accepts; asked for elsewhere it runs in the Pallas interpreter (tests).
+# shapes it accepts with heads of 128 or wider (narrower: blocked); asked for elsewhere it runs in the
+# Pallas interpreter (tests).
 ATTENTION_PATHS = ("auto", "blocked", "dense", "splash")
 
 

@@ -52,6 +52,30 @@ def test_random_params_have_the_models_tree_and_train_from_zero_adapters() -> No
                               np.asarray(params["block_1"]["attn"]["q_proj"]["kernel"]))
 
 
+def test_accelerator_cases_carry_their_own_settings() -> None:
+    from bench.accelerator import parse_variant, split_cases
+
+    cases = split_cases("135m-lora-16x1024,135m-lora-16x1024|attention=blocked,layers=2,0.6b-full-16x2048|remat=none")
+    assert cases == ["135m-lora-16x1024", "135m-lora-16x1024|attention=blocked,layers=2", "0.6b-full-16x2048|remat=none"]
+    assert parse_variant(cases[1]) == ("135m-lora-16x1024", {"attention": "blocked", "layers": 2})
+    assert parse_variant(cases[0]) == ("135m-lora-16x1024", {})
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        parse_variant("135m-lora-16x1024|blocked")
+
+
+def test_accelerator_case_cut_to_fewer_layers_runs_and_records_its_depth(tmp_path: Path) -> None:
+    import json
+
+    from bench import accelerator
+
+    out = tmp_path / "acc.json"
+    assert accelerator.main(["--cases", "135m-lora-1x128|layers=1,loss_chunk=64", "--steps", "1", "--out", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())["cases"]
+    assert "error" not in rec, rec
+    assert rec["n_layers"] == 1 and rec["variant"] == "135m-lora-1x128|layers=1,loss_chunk=64"
+    assert rec["settings"]["loss_chunk"] == 64 and rec["step_s"] > 0
+
+
 def test_main_job_runs_the_flows_default_configs(tmp_path: Path) -> None:
     from bench import main_job
     from needle_flows.params import FinetuneParams

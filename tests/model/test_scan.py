@@ -32,36 +32,62 @@ def _gemma(cfg):
     ))  # fmt: skip
 
 
-def test_auto_remat_keeps_matmul_outputs_only_where_they_fit(cfg, monkeypatch):
+def test_auto_remat_keeps_what_fits_beside_the_train_state(cfg, monkeypatch):
     from needle.model.decoder import scan as transformer
 
-    monkeypatch.setattr(transformer, "device_memory_bytes", lambda: 16 * 2**30)
-    assert transformer.resolve_remat("auto", cfg, 16 * 1024) == "dots_with_no_batch_dims_saveable"  # a few MB
-    qwen = cfg.model_copy(update=dict(d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072, n_layers=28))
-    assert transformer.resolve_remat("auto", qwen, 16 * 1024) == "nothing_saveable"  # 15 GB of outputs
+    monkeypatch.setattr(transformer, "device_memory_bytes", lambda: 15 * 2**30)  # a TPU v5e's 15.75 GB
+    smol = cfg.model_copy(update=dict(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
+                                      d_ff=1536, n_layers=30))  # fmt: skip
+    assert transformer.resolve_remat("auto", smol, 16 * 1024) == "dots_with_no_batch_dims_saveable"  # 6.6 GB
+    assert transformer.resolve_remat("auto", smol, 16 * 1024, trains_all=True) == "dots_with_no_batch_dims_saveable"
+    qwen = cfg.model_copy(update=dict(vocab_size=151936, d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128,
+                                      d_ff=3072, n_layers=28))  # fmt: skip
+    assert transformer.param_count(qwen) == 595_984_384  # Qwen3-0.6B: 596,049,920 with its 65,536 norm scales
+    assert transformer.resolve_remat("auto", qwen, 16 * 1024) == "mlp_saveable"  # 7.5 GB, not 15 GB of projections
+    # full fine-tuning: 9.5 GB of weights, gradients and moments leave too little for either
+    assert transformer.resolve_remat("auto", qwen, 16 * 1024, trains_all=True) == "nothing_saveable"
+    assert transformer.resolve_remat("auto", qwen, 16 * 2048) == "nothing_saveable"  # 15 GB of MLP outputs
     assert transformer.resolve_remat("dots_saveable", qwen, 16 * 1024) == "dots_saveable"
     monkeypatch.setattr(transformer, "device_memory_bytes", lambda: None)
     assert transformer.resolve_remat("auto", cfg, 8) == "nothing_saveable"
+
+
+def _saved_scan_residuals(cfg, policy, capsys):
+    """The shapes (``f32[L,B,T,F]`` ...) the scanned blocks keep for the backward pass under ``policy``."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    model = Transformer(cfg, settings=dataclasses.replace(SCAN, remat=policy, attention="blocked"))
+    params = model.init(jax.random.key(0), tokens)["params"]
+    print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
+    return sorted(ln.split(" ")[0] for ln in capsys.readouterr().out.splitlines() if "scan_blocks" in ln)
 
 
 def test_auto_remat_keeps_projections_but_not_attention_scores(cfg, capsys):
     """dots_with_no_batch_dims_saveable ("auto" where it fits) keeps each projection's output of the
     scanned body and none of the blocked path's score einsums, which dots_saveable keeps (out of a
     TPU's HBM at 135M x 16k tokens)."""
-    from jax.ad_checkpoint import print_saved_residuals
-
-    tokens = jnp.zeros((2, 32), jnp.int32)
     kept = {}
     for policy in ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
-        model = Transformer(cfg, settings=dataclasses.replace(SCAN, remat=policy, attention="blocked"))
-        params = model.init(jax.random.key(0), tokens)["params"]
-        print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
-        lines = [ln for ln in capsys.readouterr().out.splitlines() if "scan_blocks" in ln]
-        ranks = [ln.split("]")[0].count(",") + 1 for ln in lines]
+        ranks = [shape.count(",") + 1 for shape in _saved_scan_residuals(cfg, policy, capsys)]
         kept[policy] = (sum(r >= 6 for r in ranks), sum(r == 4 for r in ranks))  # [L,B,K,G,q,s] / [L,B,T,F]
     assert kept["dots_saveable"][0] > 0  # the score tensors, per layer
     assert kept["dots_with_no_batch_dims_saveable"] == (0, kept["dots_saveable"][1])  # projections all kept
     assert kept["nothing_saveable"][1] < kept["dots_saveable"][1]  # ... which nothing_saveable recomputes
+
+
+def test_mlp_saveable_keeps_the_mlp_and_recomputes_the_attention_half(cfg, capsys):
+    """mlp_saveable keeps, per layer, what nothing_saveable keeps plus the gate and up outputs
+    [L, B, T, d_ff] and the residual before the MLP [L, B, T, D]: none of q/k/v or the other
+    projections, which dots_with_no_batch_dims_saveable keeps."""
+    saved = {p: _saved_scan_residuals(cfg, p, capsys) for p in ("nothing_saveable", "mlp_saveable",
+                                                                 "dots_with_no_batch_dims_saveable")}  # fmt: skip
+    extra = list(saved["mlp_saveable"])
+    for shape in saved["nothing_saveable"]:
+        extra.remove(shape)
+    lbt = f"{cfg.n_layers},2,32"
+    assert sorted(extra) == sorted([f"f32[{lbt},{cfg.d_ff}]"] * 2 + [f"f32[{lbt},{cfg.d_model}]"])
+    assert len(saved["dots_with_no_batch_dims_saveable"]) > len(saved["mlp_saveable"])
 
 
 def test_layer_period():

@@ -146,3 +146,22 @@ def test_supported_shapes():
 def test_kernel_built_once_per_config():
     assert _kernel(256, 4, None, None, 512, True) is _kernel(256, 4, None, None, 512, True)
     assert _kernel(256, 4, 100, None, 512, True) is not _kernel(256, 4, None, None, 512, True)
+
+
+@pytest.mark.parametrize(("head_dim", "attention", "splash"), [(64, "auto", False), (128, "auto", True), (256, "auto", True),
+                                                               (64, "splash", True), (128, "blocked", False)])  # fmt: skip
+def test_auto_takes_splash_on_a_tpu_for_heads_of_128_lanes_or_more(monkeypatch, head_dim, attention, splash):
+    """On a TPU "auto" sends heads narrower than the kernel's 128 lanes (the 135M Llama's 64) to the
+    blocked path, which trained that shape faster there; "splash" asked for is always splash."""
+    import dataclasses
+
+    from needle.config import ModelConfig
+    from needle.hardware import settings_for
+    from needle.model.decoder.transformer import Attention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    settings = dataclasses.replace(settings_for("tpu"), attention=attention)
+    cfg = ModelConfig(preset="tiny")
+    attn = Attention(cfg, None, settings)
+    assert attn._splash(jnp.zeros((1, 256, 2, head_dim))) is splash
+    assert attn._splash(jnp.zeros((1, 200, 2, head_dim))) is (attention == "splash")  # T not a multiple of 128

@@ -108,6 +108,21 @@ def test_init_cache_matches_model_init_layout(cfg):
         assert not np.any(np.asarray(leaf))
 
 
+def test_init_cache_traces_the_model_once_per_size_and_hands_out_fresh_zeros(cfg):
+    from needle.model.decoder import transformer
+
+    model = Transformer(cfg)
+    transformer._cache_shapes.cache_clear()
+    first = init_cache(model, 2, 16)
+    first = jax.tree.map(lambda x: x + 1, first)  # a decoding call's writes stay its own
+    again = init_cache(Transformer(cfg), 2, 16)  # an equal model: the same shapes
+    assert transformer._cache_shapes.cache_info().hits == 1
+    assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(again))
+    other = init_cache(model, 3, 16)
+    assert transformer._cache_shapes.cache_info().misses == 2
+    assert jax.tree.leaves(other)[0].shape[0] == 3
+
+
 def test_bfloat16_compute_is_finite_and_close(cfg, base_params, make_tokens, logits_of):
     tokens = make_tokens((2, 16))
     ref = logits_of(Transformer(cfg), base_params, tokens)

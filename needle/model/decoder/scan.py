@@ -35,22 +35,48 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
-def resolve_remat(policy: str, cfg: ModelConfig, tokens: int) -> str:
-    """``policy``, with "auto" decided for a batch of ``tokens`` tokens: "dots_with_no_batch_dims_saveable"
-    (keep the projections' outputs, recompute the rest) when those outputs of all layers take at
-    most half the device's memory, else "nothing_saveable" (keep each block's input only).
+# What the MLP keeps under "mlp_saveable" (checkpoint names set in needle/model/decoder/transformer.py).
+MLP_SAVED_NAMES = ("block_mid", "mlp_gate", "mlp_up")
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of ``cfg``'s model (embedding, untied output layer, matrices; norms left out)."""
+    attn = 2 * cfg.d_model * cfg.n_heads * cfg.head_dim + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim
+    head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
+    return cfg.vocab_size * cfg.d_model + head + cfg.n_layers * (attn + 3 * cfg.d_model * cfg.d_ff)
+
+
+def resolve_remat(policy: str, cfg: ModelConfig, tokens: int, trains_all: bool = False) -> str:
+    """``policy``, with "auto" decided for a batch of ``tokens`` tokens: the policy keeping the most
+    whose kept activations (all layers) take at most 60 % of the device memory the train state
+    leaves: "dots_with_no_batch_dims_saveable" (every projection's output, recompute the rest), else
+    "mlp_saveable" (the MLP's gate and up outputs and the float32 residual before the MLP:
+    recompute only the attention half), else "nothing_saveable" (each block's input only).
+
+    The state: the frozen base in bfloat16 (2 bytes a parameter) for LoRA; float32 weights,
+    gradients and two Adam moments (16 bytes a parameter) with ``trains_all`` (full fine-tuning).
+    On a TPU v5e (15.75 GB) the 135M Llama shape at 16 x 1024 keeps every projection (6.6 GB),
+    Qwen3-0.6B's LoRA the MLP (7.5 GB of the 15 GB every projection would take), its full
+    fine-tuning nothing (9.5 GB of state). Without a known device memory (the CPU): nothing_saveable.
 
     Not "dots_saveable": it also keeps attention's score einsums (dots with batch dimensions), so
     the blocked path's ``[B, K, G, block, T]`` float32 scores of every layer: the 135M Llama shape
-    at 16 x 1024 needed 21.1 GB of temporaries that way on a TPU v5e (2026-12-06), out of HBM.
-    Splash and cuDNN attention are kernels, not dots, so for them the two policies keep the same.
-    Qwen3-0.6B at 16 x 1024 would keep 15 GB, more than a 16 GB TPU v5e can spare."""
+    at 16 x 1024 needed 21.1 GB of temporaries that way on a TPU v5e (2026-12-06), out of HBM."""
     if policy != "auto":
         return policy
-    widths = 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model + 3 * cfg.d_ff
-    kept = 2 * widths * tokens * cfg.n_layers  # bf16 matmul outputs
     limit = device_memory_bytes()
-    return "dots_with_no_batch_dims_saveable" if limit is not None and kept <= limit // 2 else "nothing_saveable"
+    if limit is None:
+        return "nothing_saveable"
+    budget = 0.6 * (limit - param_count(cfg) * (16 if trains_all else 2))
+    dots = 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model + 3 * cfg.d_ff
+    per_token_layer = {
+        "dots_with_no_batch_dims_saveable": 2 * dots,  # bf16 matmul outputs
+        "mlp_saveable": 2 * 2 * cfg.d_ff + 4 * cfg.d_model,  # bf16 gate and up, float32 residual
+    }
+    for name, width in per_token_layer.items():
+        if width * tokens * cfg.n_layers <= budget:
+            return name
+    return "nothing_saveable"
 
 
 def layer_period(kinds: list[str] | tuple[str, ...]) -> int:
@@ -139,6 +165,14 @@ def scan_remat_policy(policy: str) -> Any:
         return None
     if policy in ("everything", "nothing_saveable", "recompute"):
         return jax.checkpoint_policies.nothing_saveable
+    return checkpoint_policy(policy)
+
+
+def checkpoint_policy(policy: str) -> Any:
+    """The ``jax.checkpoint_policies`` member a remat policy name stands for ("mlp_saveable": the
+    named MLP activations)."""
+    if policy == "mlp_saveable":
+        return jax.checkpoint_policies.save_only_these_names(*MLP_SAVED_NAMES)
     return getattr(jax.checkpoint_policies, policy)
 
 

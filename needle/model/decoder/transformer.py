@@ -61,6 +61,7 @@ each row, so every packed row computes exactly the logits it would alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -68,6 +69,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, BackendSettings, settings_for
@@ -75,9 +77,13 @@ from needle.model.decoder.attention import blocked_attention, softcapped_attenti
 from needle.model.decoder.layers import LoraDense, RMSNorm
 from needle.model.decoder.recompute import apply_recomputed
 from needle.model.decoder.scan import (
-    LAYERS, cast_matrices, layer_period, resolve_remat, scan_blocks, scan_remat_policy, stack_block_params,
+    LAYERS, cast_matrices, checkpoint_policy, layer_period, resolve_remat, scan_blocks, scan_remat_policy,
+    stack_block_params,
 )
 from needle.model.decoder.splash import splash_attention, splash_supported
+
+# "auto" attention on a TPU takes splash for heads at least this wide, else the blocked path (Attention._splash).
+SPLASH_MIN_HEAD_DIM = 128
 
 # Short names of the projections as LoraConfig.targets spells them.
 _TARGET_OF = {
@@ -242,7 +248,12 @@ class Attention(_Layer):
         s, (t, hd) = self.settings, (q.shape[1], q.shape[3])
         if s.attention == "splash":
             return True
-        return s.attention == "auto" and s.backend == "tpu" and jax.default_backend() == "tpu" and splash_supported(t, hd)
+        # Heads narrower than the kernel's 128 lanes run it at half width: on a TPU v5e the blocked
+        # (tiled) path trained the 135M Llama shape (head_dim 64) at 16 x 1024 in 233 ms a LoRA step
+        # against splash's 282 (full: 217 vs 270), while splash led at head_dim 128 (Qwen3-0.6B full:
+        # 871 vs 980 ms) and 256 (Gemma 3 270M LoRA: 371 vs 381 ms), 2026-12-07.
+        wide = hd >= SPLASH_MIN_HEAD_DIM
+        return s.attention == "auto" and s.backend == "tpu" and jax.default_backend() == "tpu" and wide and splash_supported(t, hd)
 
     def _implementation(self, q: jax.Array) -> str | None:
         # cuDNN flash attention exists only on NVIDIA GPUs and only for half precision; GPU
@@ -282,8 +293,9 @@ class Mlp(_Layer):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.proj("gate_proj", self.cfg.d_ff)(x)
-        up = self.proj("up_proj", self.cfg.d_ff)(x)
+        # Named for remat "mlp_saveable", which keeps them: the backward pass needs both.
+        gate = checkpoint_name(self.proj("gate_proj", self.cfg.d_ff)(x), "mlp_gate")
+        up = checkpoint_name(self.proj("up_proj", self.cfg.d_ff)(x), "mlp_up")
         act = nn.silu(gate) if self.cfg.mlp_act == "silu" else jax.nn.gelu(gate, approximate=True)
         return self.proj("down_proj", self.cfg.d_model)(act * up)
 
@@ -302,7 +314,7 @@ class Block(_Layer):
         h = attn(self.norm("attn_norm")(x), positions, segment_ids)
         if cfg.post_norms:
             h = self.norm("post_attn_norm")(h)
-        x = x + h.astype(jnp.float32)
+        x = checkpoint_name(x + h.astype(jnp.float32), "block_mid")  # the MLP norm's input, for "mlp_saveable"
         h = Mlp(cfg, self.lora, s, name="mlp")(self.norm("mlp_norm")(x))
         if cfg.post_norms:
             h = self.norm("post_mlp_norm")(h)
@@ -328,7 +340,7 @@ def remat_block(policy: str) -> type[Block]:
         return Block
     if policy in ("everything", "nothing_saveable"):
         return nn.remat(Block)
-    return nn.remat(Block, policy=getattr(jax.checkpoint_policies, policy))
+    return nn.remat(Block, policy=checkpoint_policy(policy))
 
 
 def checked_positions(tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None,
@@ -400,7 +412,7 @@ class Transformer(nn.Module):
             x = self._scanned_layers(x, positions, segment_ids, decode, prefill, s)
         else:
             # Remat only matters under differentiation; decoding keeps the plain block.
-            block = Block if decode else remat_block(resolve_remat(s.remat, cfg, b * t))
+            block = Block if decode else remat_block(resolve_remat(s.remat, cfg, b * t, self.lora is None))
             recompute = not decode and s.remat == "recompute" and not self.is_initializing()
             rdt = jnp.dtype(s.residual_dtype)
             for i, kind in enumerate(cfg.resolved_layer_types()):
@@ -459,7 +471,7 @@ class Transformer(nn.Module):
             x, new_cache = scan_blocks(blocks, stacked, x, positions, None, rdt, None, cache)
             self.put_variable("cache", "layers", new_cache)
             return x
-        policy = scan_remat_policy(resolve_remat(s.remat, cfg, x.shape[0] * x.shape[1]))
+        policy = scan_remat_policy(resolve_remat(s.remat, cfg, x.shape[0] * x.shape[1], lora is None))
         x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, rdt, policy)
         return x
 
@@ -468,6 +480,12 @@ def init_cache(model: Transformer, batch_size: int, max_len: int) -> dict[str, A
     """Return a zero KV cache for ``batch_size`` rows of up to ``max_len`` tokens (no params built)."""
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch_size > 0 and max_len > 0, got {batch_size}, {max_len}")
-    tokens = jnp.zeros((batch_size, max_len), jnp.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, decode=True)["cache"])
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(model, batch_size, max_len))
+
+
+@functools.lru_cache(maxsize=32)
+def _cache_shapes(model: Transformer, batch_size: int, max_len: int) -> Any:
+    """The cache's shapes, traced once per model and size: tracing the model's init took 0.16 s of
+    every decoding call on the 2-core CPU (135M shape, two layers), more than the prefill's share."""
+    tokens = jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32)
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t, decode=True)["cache"], tokens)

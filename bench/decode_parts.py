@@ -1,0 +1,91 @@
+"""Where a decoding call's time goes: ``generate_detailed`` against its parts, warm, best of 3.
+
+The 135M Llama shape with random weights (bench/memory.py's model and prompts: 8 rows of about 500
+tokens), on the device JAX finds: the whole call for 96 and for 1 new token, the weights' stacking
+and cast (``decoding_params``), the cache's allocation (``init_cache``), the jitted decode program
+alone for 1 and 96 tokens, and the prefill alone. A whole call far above its program's time is
+host work (on the TPU machine, 2026-12-07, tracing the model for every ``init_cache`` was 0.7 s
+of each call).
+
+    python -m bench.decode_parts [N_LAYERS] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def best_of(fn: Callable[[], Any], reps: int = 3) -> float:
+    """Seconds of the fastest of ``reps`` calls after one warm-up, waiting for the device."""
+    import jax
+
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("layers", nargs="?", type=int, default=None, help="cut the shape to this many blocks")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from needle.hardware import prepare_platform_env
+
+    prepare_platform_env()
+    import numpy as np
+
+    # lazy: jax and the model code load only after prepare_platform_env
+    from bench.memory import NEW_TOKENS, PROMPT, _model
+    from needle.eval.decode import _decode_batch, _prefill, decoding_params, generate_detailed, stop_array
+    from needle.model import lora as lora_lib
+    from needle.model.decoder.transformer import init_cache
+
+    import jax
+
+    cfg, _, model = _model("smollm2-135m", "new", lora=False, n_layers=args.layers)
+    params = lora_lib.init_params(cfg, None, 0, model.settings)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, PROMPT - 4 * i).tolist() for i in range(8)]
+    stop = cfg.vocab_size - 1  # random weights: rows mostly run their whole budget
+    bucket = 512
+    tokens = np.zeros((8, bucket), np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    limits = np.full((8,), NEW_TOKENS, np.int32)
+    dp = decoding_params(model, params)
+    cache = init_cache(model, 8, bucket + NEW_TOKENS)
+    prefill = jax.jit(_prefill, static_argnums=0)
+
+    def generate(k: int) -> Callable[[], Any]:
+        return lambda: generate_detailed(model, params, prompts, max_new_tokens=k, end_id=stop, pad_id=0, batch_size=8).n_tokens
+
+    def program(k: int) -> Callable[[], Any]:
+        return lambda: _decode_batch(model, dp, cache, tokens, lengths, limits, stop_array(stop), np.int32(0), None, max_new=k)[0]
+
+    parts = {
+        f"generate_{NEW_TOKENS}": generate(NEW_TOKENS), "generate_1": generate(1),
+        "decoding_params": lambda: decoding_params(model, params), "init_cache": lambda: init_cache(model, 8, bucket + NEW_TOKENS),
+        f"decode_program_{NEW_TOKENS}": program(NEW_TOKENS), "decode_program_1": program(1),
+        "prefill": lambda: prefill(model, dp, cache, tokens, lengths)[0],
+    }  # fmt: skip
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "n_layers": cfg.n_layers}
+    for name, fn in parts.items():
+        result[name + "_s"] = best_of(fn)
+        print(f"{name:<20} {result[name + '_s'] * 1e3:9.2f} ms", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
