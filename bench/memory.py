@@ -170,7 +170,7 @@ def child_decode(
     import numpy as np
 
     # lazy, as in _model
-    from needle.eval.decode import _prefill_masked, _step_masked, generate_detailed
+    from needle.eval.decode import _prefill_masked, _step_masked, decoding_params, generate_detailed
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
 
@@ -185,7 +185,10 @@ def child_decode(
         return generate_detailed(model, params, prompts, max_new_tokens=new_tokens, end_id=stop, pad_id=0, batch_size=rows)
 
     def constrained() -> int:
-        # The constrained path's device work (decode.py's host loop) with an all-allowed mask.
+        # The constrained path's device work (decode.py's host loop) with an all-allowed mask, on
+        # the weights as generate_detailed hands them to that loop (stacked, in the compute dtype):
+        # the raw tree would re-stack and re-cast every block inside every step.
+        weights = decoding_params(model, params)
         bucket = 512
         tokens = np.zeros((rows, bucket), np.int32)
         lengths = np.array([len(p) for p in prompts], np.int32)
@@ -195,10 +198,10 @@ def child_decode(
         bits = jnp.full((rows, -(-cfg.vocab_size // 32)), -1, jnp.int32)
         closing = jnp.zeros((rows,), jnp.int32)
         scores = jnp.zeros((2, cfg.vocab_size), jnp.float32)
-        nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, bits, closing, scores)
+        nxt, cache = _prefill_masked(model, weights, cache, tokens, lengths, bits, closing, scores)
         pos, made = lengths.copy(), 1
         for _ in range(1, NEW_TOKENS):
-            nxt, cache = _step_masked(model, params, cache, np.asarray(nxt), pos, bits, closing, scores)
+            nxt, cache = _step_masked(model, weights, cache, np.asarray(nxt), pos, bits, closing, scores)
             pos, made = pos + 1, made + 1
         np.asarray(nxt)
         return made

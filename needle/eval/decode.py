@@ -231,7 +231,8 @@ def _decode_host(
     rows, masked = tokens.shape[0], bool(constrained.any())
     if masked:
         masks = BatchMasks(matchers, constraints.tok_vocab, model.cfg.vocab_size, stops.tolist())
-        scores, token_bytes = constraints.close_scores(model.cfg.vocab_size), constraints.token_bytes()
+        # On the device once, not sent with every step ([2, V] float32: 0.4 MB at a 49k vocabulary).
+        scores, token_bytes = jnp.asarray(constraints.close_scores(model.cfg.vocab_size)), constraints.token_bytes()
         nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, np.zeros(rows, np.int32),
                                      scores, starts)  # fmt: skip
     else:
