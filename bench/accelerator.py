@@ -132,6 +132,25 @@ def random_params(cfg: Any, lora_cfg: LoraConfig | None, settings: Any, seed: in
     return jax.tree_util.tree_unflatten(treedef, [sample(i, path, s) for i, (path, s) in enumerate(flat)])
 
 
+def cut_layers(cfg: Any, layers: int, case: str) -> Any:
+    """``cfg`` with ``layers`` blocks, for a shape of one layer kind (cut, a Gemma 3 pattern of
+    sliding and global layers would scan a different body), as bench/memory.py's decode cut."""
+    if layers < 1 or len(set(cfg.resolved_layer_types())) > 1:
+        raise ValueError(f"case {case!r}: layers={layers} needs layers >= 1 and a shape of one layer kind")
+    return type(cfg).model_validate({**cfg.model_dump(), "n_layers": layers, "layer_types": None})
+
+
+def check_variant(variant: str) -> None:
+    """Refuse a malformed ``--cases`` entry before anything is measured (a sweep stops at none)."""
+    # lazy: random_model imports jax, which loads only after main() has run prepare_platform_env
+    from needle.model.hf.random_model import shape_config
+
+    case, own = parse_variant(variant)
+    shape, *_ = parse_case(case)
+    if "layers" in own:
+        cut_layers(hf_config_to_model_config(shape_config(shape)), own["layers"], case)
+
+
 def split_cases(text: str) -> list[str]:
     """``--cases``: comma-separated cases, a case's own settings (after ``|``) kept with it."""
     out: list[str] = []
@@ -161,9 +180,9 @@ def run_case(
     from bench.flops import count_matmul_params
     from bench.memory import _peak_device_bytes, timed_steps
     from needle.model import lora as lora_lib
-    from needle.model.hf.random_model import shape_config
     from needle.model.decoder.scan import resolve_remat, stack_model_layers
     from needle.model.decoder.transformer import Transformer
+    from needle.model.hf.random_model import shape_config
     from needle.train.run import make_apply_fn
     from needle.train.step import create_state, train_step
 
@@ -172,14 +191,13 @@ def run_case(
     layers = overrides.pop("layers", None)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
     settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers), **overrides)
-    if layers is not None:  # after settings_for: the same program as the whole shape's, fewer blocks
-        kinds = cfg.layer_types[:layers] if cfg.layer_types else None
-        cfg = type(cfg).model_validate({**cfg.model_dump(), "n_layers": layers, "layer_types": kinds})
+    if layers is not None:  # after settings_for: the whole shape's settings, fewer blocks
+        cfg = cut_layers(cfg, layers, case)
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)
     rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq, "n_layers": cfg.n_layers,
                            "settings": dataclasses.asdict(settings),
-                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq, mode == "full")}  # fmt: skip
+                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq, trains_all=mode == "full")}  # fmt: skip
     try:
         params = random_params(cfg, lora_cfg, settings)
         counts = count_matmul_params(params)
@@ -232,12 +250,12 @@ def _step_after_prefill(dec: dict[str, Any]) -> float:
 def format_table(result: dict[str, Any]) -> str:
     """One line per case: compile, step, tokens/s, share of the peak, HBM."""
     lines = [f"{result['device_kind']} ({result['backend']}), bf16 peak {result['peak_tflops']:.1f} TFLOP/s",
-             f"{'case':<20} {'compile s':>9} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'HBM GB':>7}"]  # fmt: skip
+             f"{'case':<28} {'compile s':>9} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'HBM GB':>7}"]  # fmt: skip
     for r in result["cases"]:
         if "error" in r:
-            lines.append(f"{r.get('variant', r['case']):<20} {r['error'][:90]}")
+            lines.append(f"{r.get('variant', r['case']):<28} {r['error'][:90]}")
             continue
-        lines.append(f"{r.get('variant', r['case']):<20} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
+        lines.append(f"{r.get('variant', r['case']):<28} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
                      f"{r['mfu']:>6.1%} {r.get('hbm_gb') or 0:>7.2f}")  # fmt: skip
     dec = result.get("decode")
     if dec:
@@ -293,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.decode_layers:
             result.setdefault("decode_layers", {})[str(n)] = child_decode("smollm2-135m", "new", 8, None, n)
             out.write_text(json.dumps(result, indent=2))
-    for variant in split_cases(args.cases):
+    variants = split_cases(args.cases)
+    for variant in variants:
+        check_variant(variant)
+    for variant in variants:
         case, own = parse_variant(variant)
         rec = run_case(case, args.steps, peak["gflops"] * 1e9, {**overrides, **own}, args.profile)
         rec["variant"] = variant

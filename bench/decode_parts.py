@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from needle.hardware import prepare_platform_env
 
-def best_of(fn: Callable[[], Any], reps: int = 3) -> float:
+
+def time_best_of(fn: Callable[[], Any], reps: int = 3) -> float:
     """Seconds of the fastest of ``reps`` calls after one warm-up, waiting for the device."""
-    import jax
+    import jax  # lazy: jax loads only after main() has run prepare_platform_env
 
     fn()
     best = float("inf")
@@ -38,18 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from needle.hardware import prepare_platform_env
-
     prepare_platform_env()
+    # lazy: jax and the model code load only after prepare_platform_env
+    import jax
     import numpy as np
 
-    # lazy: jax and the model code load only after prepare_platform_env
+    # lazy, as jax: the model code imports it
     from bench.memory import NEW_TOKENS, PROMPT, _model
     from needle.eval.decode import _decode_batch, _prefill, decoding_params, generate_detailed, stop_array
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
-
-    import jax
 
     cfg, _, model = _model("smollm2-135m", "new", lora=False, n_layers=args.layers)
     params = lora_lib.init_params(cfg, None, 0, model.settings)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "n_layers": cfg.n_layers}
     for name, fn in parts.items():
-        result[name + "_s"] = best_of(fn)
+        result[name + "_s"] = time_best_of(fn)
         print(f"{name:<20} {result[name + '_s'] * 1e3:9.2f} ms", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

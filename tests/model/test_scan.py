@@ -35,21 +35,22 @@ def _gemma(cfg):
 def test_auto_remat_keeps_what_fits_beside_the_train_state(cfg, monkeypatch):
     from needle.model.decoder import scan as transformer
 
-    monkeypatch.setattr(transformer, "device_memory_bytes", lambda: 15 * 2**30)  # a TPU v5e's 15.75 GB
+    monkeypatch.setattr(transformer, "device_memory_bytes", lambda: int(15.75 * 2**30))  # a TPU v5e
     smol = cfg.model_copy(update=dict(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
                                       d_ff=1536, n_layers=30))  # fmt: skip
-    assert transformer.resolve_remat("auto", smol, 16 * 1024) == "dots_with_no_batch_dims_saveable"  # 6.6 GB
-    assert transformer.resolve_remat("auto", smol, 16 * 1024, trains_all=True) == "dots_with_no_batch_dims_saveable"
+    for trains_all in (False, True):  # 6.6 GB of projections, beside a 0.3 or 2.2 GB state
+        assert transformer.resolve_remat("auto", smol, 16 * 1024, trains_all=trains_all) == "dots_with_no_batch_dims_saveable"
     qwen = cfg.model_copy(update=dict(vocab_size=151936, d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128,
                                       d_ff=3072, n_layers=28))  # fmt: skip
-    assert transformer.param_count(qwen) == 595_984_384  # Qwen3-0.6B: 596,049,920 with its 65,536 norm scales
-    assert transformer.resolve_remat("auto", qwen, 16 * 1024) == "mlp_saveable"  # 7.5 GB, not 15 GB of projections
+    assert transformer.count_model_params(qwen) == 595_984_384  # Qwen3-0.6B: 596,049,920 with its 65,536 norm scales
+    # LoRA: the MLP's 7.5 GB, not the 15 GB every projection would keep
+    assert transformer.resolve_remat("auto", qwen, 16 * 1024, trains_all=False) == "mlp_saveable"
     # full fine-tuning: 9.5 GB of weights, gradients and moments leave too little for either
     assert transformer.resolve_remat("auto", qwen, 16 * 1024, trains_all=True) == "nothing_saveable"
-    assert transformer.resolve_remat("auto", qwen, 16 * 2048) == "nothing_saveable"  # 15 GB of MLP outputs
-    assert transformer.resolve_remat("dots_saveable", qwen, 16 * 1024) == "dots_saveable"
+    assert transformer.resolve_remat("auto", qwen, 16 * 2048, trains_all=False) == "nothing_saveable"  # 15 GB of MLP
+    assert transformer.resolve_remat("dots_saveable", qwen, 16 * 1024, trains_all=False) == "dots_saveable"
     monkeypatch.setattr(transformer, "device_memory_bytes", lambda: None)
-    assert transformer.resolve_remat("auto", cfg, 8) == "nothing_saveable"
+    assert transformer.resolve_remat("auto", cfg, 8, trains_all=False) == "nothing_saveable"
 
 
 def _saved_scan_residuals(cfg, policy, capsys):

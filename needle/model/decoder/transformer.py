@@ -77,7 +77,7 @@ from needle.model.decoder.attention import blocked_attention, softcapped_attenti
 from needle.model.decoder.layers import LoraDense, RMSNorm
 from needle.model.decoder.recompute import apply_recomputed
 from needle.model.decoder.scan import (
-    LAYERS, cast_matrices, checkpoint_policy, layer_period, resolve_remat, scan_blocks, scan_remat_policy,
+    LAYERS, cast_matrices, layer_period, lookup_checkpoint_policy, resolve_remat, scan_blocks, scan_remat_policy,
     stack_block_params,
 )
 from needle.model.decoder.splash import splash_attention, splash_supported
@@ -340,7 +340,7 @@ def remat_block(policy: str) -> type[Block]:
         return Block
     if policy in ("everything", "nothing_saveable"):
         return nn.remat(Block)
-    return nn.remat(Block, policy=checkpoint_policy(policy))
+    return nn.remat(Block, policy=lookup_checkpoint_policy(policy))
 
 
 def checked_positions(tokens: jax.Array, positions: jax.Array | None, segment_ids: jax.Array | None,
@@ -412,7 +412,7 @@ class Transformer(nn.Module):
             x = self._scanned_layers(x, positions, segment_ids, decode, prefill, s)
         else:
             # Remat only matters under differentiation; decoding keeps the plain block.
-            block = Block if decode else remat_block(resolve_remat(s.remat, cfg, b * t, self.lora is None))
+            block = Block if decode else remat_block(resolve_remat(s.remat, cfg, b * t, trains_all=self.lora is None))
             recompute = not decode and s.remat == "recompute" and not self.is_initializing()
             rdt = jnp.dtype(s.residual_dtype)
             for i, kind in enumerate(cfg.resolved_layer_types()):
@@ -471,7 +471,7 @@ class Transformer(nn.Module):
             x, new_cache = scan_blocks(blocks, stacked, x, positions, None, rdt, None, cache)
             self.put_variable("cache", "layers", new_cache)
             return x
-        policy = scan_remat_policy(resolve_remat(s.remat, cfg, x.shape[0] * x.shape[1], lora is None))
+        policy = scan_remat_policy(resolve_remat(s.remat, cfg, x.shape[0] * x.shape[1], trains_all=lora is None))
         x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, rdt, policy)
         return x
 
@@ -480,11 +480,11 @@ def init_cache(model: Transformer, batch_size: int, max_len: int) -> dict[str, A
     """Return a zero KV cache for ``batch_size`` rows of up to ``max_len`` tokens (no params built)."""
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"init_cache needs batch_size > 0 and max_len > 0, got {batch_size}, {max_len}")
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(model, batch_size, max_len))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _trace_cache_shapes(model, batch_size, max_len))
 
 
 @functools.lru_cache(maxsize=32)
-def _cache_shapes(model: Transformer, batch_size: int, max_len: int) -> Any:
+def _trace_cache_shapes(model: Transformer, batch_size: int, max_len: int) -> Any:
     """The cache's shapes, traced once per model and size: tracing the model's init took 0.16 s of
     every decoding call on the 2-core CPU (135M shape, two layers), more than the prefill's share."""
     tokens = jax.ShapeDtypeStruct((batch_size, max_len), jnp.int32)
