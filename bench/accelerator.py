@@ -179,12 +179,11 @@ def run_case(
     # lazy: jax and the model code load only after main() has run prepare_platform_env
     from bench.flops import count_matmul_params
     from bench.memory import _peak_device_bytes, timed_steps
-    from needle.model import lora as lora_lib
-    from needle.model.decoder.scan import resolve_remat, stack_model_layers
+    from needle.model.decoder.scan import resolve_remat
     from needle.model.decoder.transformer import Transformer
     from needle.model.hf.random_model import shape_config
-    from needle.train.run import make_apply_fn
-    from needle.train.step import create_state, train_step
+    from needle.train.run import frozen_in_compute_dtype, state_from_params
+    from needle.train.step import train_step
 
     shape, mode, rows, seq = parse_case(case)
     overrides = dict(overrides or {})
@@ -201,12 +200,10 @@ def run_case(
     try:
         params = random_params(cfg, lora_cfg, settings)
         counts = count_matmul_params(params)
-        trainable, frozen = lora_lib.split_trainable(params, "lora" if lora_cfg else "full")
+        # As needle.train.run.run_training: blocks stacked, a LoRA run's frozen base in the compute
+        # dtype (the host master copy it keeps for the export is dropped here).
+        state, _ = frozen_in_compute_dtype(state_from_params(params, model, mode, OptimConfig(), 100), settings)
         del params
-        frozen = lora_lib.in_compute_dtype(frozen, settings)
-        if settings.scan_layers:  # as needle.train.run.build_state: a scanned state keeps its blocks stacked
-            trainable, frozen = stack_model_layers(trainable, cfg), stack_model_layers(frozen, cfg)
-        state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), 100)
         batch = packed_batch(cfg.vocab_size, rows, seq)
         t0 = time.perf_counter()
         compiled = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()

@@ -26,11 +26,10 @@ import numpy as np
 
 from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
 from needle.hardware import settings_for, with_overrides
-from needle.model import lora as lora_lib
-from needle.model.factory import module_for
 from needle.model.lora import count_params
-from needle.train.run import initial_params, make_apply_fn, make_plans
-from needle.train.step import create_state, train_step
+from needle.train.run import build_state as run_build_state
+from needle.train.run import frozen_in_compute_dtype, make_plans
+from needle.train.step import train_step
 
 from bench.flops import count_matmul_params, flops_per_token
 from bench.fixtures import ensure_base
@@ -52,10 +51,8 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     settings = with_overrides(settings_for(jax.default_backend(), model_cfg.n_layers), train_cfg)  # as run_training does
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
     base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
-    params = initial_params(model_cfg, train_cfg, lora_cfg, base_dir, settings)
-    trainable, frozen = lora_lib.split_trainable(params, mode)
-    model = module_for(model_cfg, lora_cfg, settings)
-    state = create_state(make_apply_fn(model), trainable, frozen, OptimConfig(), steps, seed=0)
+    state = run_build_state(model_cfg, train_cfg, OptimConfig(), lora_cfg, base_dir, settings)
+    state, _ = frozen_in_compute_dtype(state, settings)  # as run_training
     return state, model_cfg
 
 

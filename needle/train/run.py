@@ -181,16 +181,32 @@ def build_state(
 ) -> TrainState:
     """The fresh train state of the mode (trainable/frozen split, optimizer, RNG)."""
     params = initial_params(model_cfg, train_cfg, lora_cfg, base, settings)
-    trainable, frozen = lora_lib.split_trainable(params, train_cfg.mode)
     model = module_for(model_cfg, lora_cfg, settings)
-    if isinstance(model, Transformer) and settings.scan_layers:
+    return state_from_params(params, model, train_cfg.mode, optim_cfg, train_cfg.steps,
+                             grad_accum=train_cfg.grad_accum, seed=train_cfg.seed)  # fmt: skip
+
+
+def state_from_params(
+    params: Any, model: Any, mode: str, optim_cfg: OptimConfig, steps: int, *, grad_accum: int = 1, seed: int = 0
+) -> TrainState:  # fmt: skip
+    """The train state over ``params`` (the ``block_i`` layout) for ``mode``: what :func:`build_state`
+    makes from its initial params, and what the benchmarks time. ``params`` is consumed (its
+    arrays are the state's)."""
+    trainable, frozen = lora_lib.split_trainable(params, mode)
+    if isinstance(model, Transformer) and model.settings.scan_layers:
         # Scanned layers train on stacked blocks (one optimizer leaf per kind of weight, not per
         # layer); checkpoints and exports still read block_i (checkpoint.py, export_model).
-        trainable, frozen = stack_model_layers(trainable, model_cfg), stack_model_layers(frozen, model_cfg)
-    return create_state(
-        make_apply_fn(model), trainable, frozen, optim_cfg, train_cfg.steps,
-        grad_accum=train_cfg.grad_accum, seed=train_cfg.seed,
-    )  # fmt: skip
+        trainable, frozen = stack_model_layers(trainable, model.cfg), stack_model_layers(frozen, model.cfg)
+    return create_state(make_apply_fn(model), trainable, frozen, optim_cfg, steps, grad_accum=grad_accum, seed=seed)
+
+
+def frozen_in_compute_dtype(state: TrainState, settings: BackendSettings) -> tuple[TrainState, Any]:
+    """``state`` with its frozen base in the compute dtype, and the master (host, numpy) copy the
+    export merges onto; where the dtypes agree (the CPU) ``(state, None)``."""
+    cast = lora_lib.in_compute_dtype(state.frozen, settings)
+    if cast is state.frozen:
+        return state, None
+    return state.replace(frozen=cast), jax.tree.map(np.asarray, state.frozen)
 
 
 def resume_meta(
@@ -307,9 +323,7 @@ def run_training(
     state = build_state(*configs, base if base is not None else base_model_dir, settings)
     master_frozen = None
     if lora_cfg is not None:  # the frozen base in the compute dtype; the export merges onto the master copy
-        cast = lora_lib.in_compute_dtype(state.frozen, settings)
-        if cast is not state.frozen:
-            master_frozen, state = jax.tree.map(np.asarray, state.frozen), state.replace(frozen=cast)
+        state, master_frozen = frozen_in_compute_dtype(state, settings)
     meta = resume_meta(prepared, tokenizer, configs, out)
     mesh = make_mesh(fsdp=train_cfg.fsdp)
     if train_cfg.batch_size % data_size(mesh):  # fail before any compilation
