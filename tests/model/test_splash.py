@@ -157,7 +157,7 @@ def test_auto_takes_splash_on_a_tpu_for_heads_of_128_lanes_or_more(monkeypatch, 
 
     from needle.config import ModelConfig
     from needle.hardware import settings_for
-    from needle.model.decoder.transformer import Attention
+    from needle.model.decoder.block import Attention
 
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     settings = dataclasses.replace(settings_for("tpu"), attention=attention)

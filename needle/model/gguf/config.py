@@ -27,7 +27,7 @@ from needle.errors import ModelImportError
 from needle.model.gguf.reader import GGUFFile
 from needle.model.hf.config import hf_config_to_model_config
 from needle.model.hf.export import model_config_to_hf_config
-from needle.model.decoder.transformer import rope_inv_freq
+from needle.model.decoder.block import rope_inv_freq
 
 # general.architecture -> Hugging Face model_type, and back.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
