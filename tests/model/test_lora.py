@@ -132,6 +132,29 @@ def test_grads_before_input_is_an_exact_identity_with_the_same_gradients():
         assert jnp.array_equal(g_plain, g_tied)
 
 
+@pytest.mark.parametrize(("backend", "tied"), [("cpu", 3), ("tpu", 0), ("gpu", 0)])
+def test_adapter_gradients_are_ordered_on_the_cpu_only(cfg, backend, tied):
+    """The CPU scheduler's workaround (grads_before_input, a custom VJP per adapted projection) is
+    in the CPU's program and not in an accelerator's, whose values it would not change anyway."""
+    import dataclasses
+
+    from needle.hardware import settings_for
+    from needle.model.decoder.block import Mlp
+
+    settings = dataclasses.replace(settings_for(backend), compute_dtype="float32")
+    mlp = Mlp(cfg, LoraConfig(rank=4, targets=("gate", "up", "down")), settings)
+    x = jnp.ones((2, 3, cfg.d_model))
+    params = mlp.init(jax.random.PRNGKey(0), x)["params"]
+    params = jax.tree.map(lambda a: a + 0.1, params)  # lora_b starts at zero: nonzero adapter gradients
+    program = str(jax.make_jaxpr(lambda p: mlp.apply({"params": p}, x))(params))
+    assert program.count("custom_vjp_call") == tied
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(mlp.apply({"params": p}, x))))(params)
+    ordered = dataclasses.replace(mlp, settings=settings_for("cpu"))
+    grads_cpu = jax.grad(lambda p: jnp.sum(jnp.tanh(ordered.apply({"params": p}, x))))(params)
+    for g, g_cpu in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_cpu)):
+        assert jnp.array_equal(g, g_cpu)
+
+
 def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
     """remat="recompute" (a custom VJP that keeps only each block's input) changes no value."""
     import dataclasses

@@ -25,9 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from needle.model.decoder.tiled import tiled_attention
-
-_NEG = float(jnp.finfo(jnp.float32).min)
+from needle.model.decoder.tiled import NEG_LOGIT, tiled_attention
 
 
 def _block(
@@ -45,7 +43,7 @@ def _block(
     mask = mask[None, None, None]  # [1, 1, 1, tq, tk]
     if q_seg is not None:
         mask = mask & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
-    logits = jnp.where(mask, logits, _NEG)
+    logits = jnp.where(mask, logits, NEG_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
 

@@ -99,6 +99,7 @@ class _Layer(nn.Module):
             dtype=jnp.dtype(self.settings.compute_dtype),
             param_dtype=jnp.dtype(self.settings.param_dtype),
             use_bias=use_bias,
+            order_grads=self.settings.backend == "cpu",
             name=name,
         )
 

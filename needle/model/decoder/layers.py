@@ -32,6 +32,10 @@ class LoraDense(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     use_bias: bool = False
+    # The adapter gradients before the input's (recompute.grads_before_input): a workaround for XLA's
+    # CPU scheduler, which otherwise keeps every layer's inputs alive to the step's end; off the CPU
+    # it would only serialise the backward pass (_Layer.proj sets it for the CPU backend only).
+    order_grads: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -42,7 +46,7 @@ class LoraDense(nn.Module):
         if self.rank:
             a = self.param("lora_a", nn.initializers.normal(d_in**-0.5), (d_in, self.rank), self.param_dtype)
             b = self.param("lora_b", nn.initializers.zeros_init(), (self.rank, self.features), self.param_dtype)
-            xa, a, b = grads_before_input(x, a, b)
+            xa, a, b = grads_before_input(x, a, b) if self.order_grads else (x, a, b)
             y = y + self.scale * jnp.dot(jnp.dot(xa, a.astype(self.dtype)), b.astype(self.dtype))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)

@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_NEG = float(jnp.finfo(jnp.float32).min)
+NEG_LOGIT = float(jnp.finfo(jnp.float32).min)  # a masked score (also attention.py's)
 _PAD_SEGMENT = int(jnp.iinfo(jnp.int32).min)  # padding up to whole tiles: matches no real segment
 
 
@@ -80,7 +80,7 @@ def _first_tiles(seg: jax.Array, blk: int, window: int | None) -> jax.Array:
 
 def _scores(qi, kj, si, sj, i, j, blk, scale, window, softcap):  # noqa: ANN001, ANN202
     """Float32 scores of query tile ``i`` against key tile ``j`` ``[B, K, G, q, s]``, masked to
-    ``_NEG``; the mask; and ``tanh`` of the capped logits (for the backward pass) or None."""
+    ``NEG_LOGIT``; the mask; and ``tanh`` of the capped logits (for the backward pass) or None."""
     s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * scale
     capped = None
     if softcap is not None:
@@ -89,7 +89,7 @@ def _scores(qi, kj, si, sj, i, j, blk, scale, window, softcap):  # noqa: ANN001,
     rel = (i * blk + jnp.arange(blk))[:, None] - (j * blk + jnp.arange(blk))[None, :]
     mask = (rel >= 0) if window is None else (rel >= 0) & (rel < window)
     mask = mask[None, None, None] & (si[:, None, None, :, None] == sj[:, None, None, None, :])
-    return jnp.where(mask, s, _NEG), mask, capped
+    return jnp.where(mask, s, NEG_LOGIT), mask, capped
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +112,7 @@ def _attention(blk: int, scale: float, window: int | None, softcap: float | None
                 pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(vt.dtype), vt[j], preferred_element_type=jnp.float32)
                 return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-            init = (jnp.full((b, kv, g, blk), _NEG), jnp.zeros((b, kv, g, blk)), jnp.zeros((b, kv, g, blk, hd)))
+            init = (jnp.full((b, kv, g, blk), NEG_LOGIT), jnp.zeros((b, kv, g, blk)), jnp.zeros((b, kv, g, blk, hd)))
             m, l, acc = jax.lax.fori_loop(lo[i], i + 1, body, init)
             return acc / l[..., None], m + jnp.log(l)  # every query sees itself: l > 0
 
