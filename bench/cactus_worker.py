@@ -163,7 +163,6 @@ def summarise(events: list[tuple[float, str]], t0: float, batch: int, seq_len: i
 
 
 def run(spec: dict) -> dict:
-    import numpy as np
     from needle.model import finetune as ft
     from needle.model.tokenizer import PAD_ID, get_tokenizer
 

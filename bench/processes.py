@@ -26,7 +26,6 @@ from typing import Any
 from needle import pipeline
 from needle.config import DataConfig, OptimConfig, TrainConfig, model_preset
 from needle.data.prepare import load_cached, save_cached
-from needle.model.lora import count_params
 from needle.train.distributed import ProcessGroup, free_port, initialize, is_primary
 from needle.train.run import run_training
 from needle.train.sharding import DATA_AXIS, FSDP_AXIS, make_mesh

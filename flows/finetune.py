@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 from prefect import flow, runtime
 
-from needle import pipeline
 from needle.data.load import LoadedSource
 from needle.gate import overlap_count
 from needle.pipeline import config_digest

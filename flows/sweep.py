@@ -24,7 +24,6 @@ import threading
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import mlflow
 from prefect import flow, runtime
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, model_validator

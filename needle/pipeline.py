@@ -38,7 +38,7 @@ from needle.eval.report import compare, summary_of, write_report
 from needle.model.factory import LoadedModel
 from needle.model.io import load_model
 from needle.model.lora import count_params
-from needle.registry import Registration, decide_registration
+from needle.registry import decide_registration
 from needle.tokenizers.native import Tokenizer, train_tokenizer
 from needle.tracking.tracker import NoopTracker, PrefixedTracker, Tracker
 from needle.train.run import run_training

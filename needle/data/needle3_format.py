@@ -30,7 +30,6 @@ Ported from cactus-needle 3.2.8 (needle/model/finetune.py), Apache-2.0.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from needle.data.conversation import row_messages

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from needle.config import ModelConfig
-from needle.errors import CheckpointMismatchError, ModelImportError, ModelNotFoundError
+from needle.errors import CheckpointMismatchError, ModelNotFoundError
 from needle.model.factory import LoadedModel, abstract_params
 from needle.model.gguf.importer import import_gguf_model
 from needle.model.gguf.reader import is_gguf_file

@@ -266,7 +266,7 @@ class Needle3Model(nn.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, decode: bool = False,
                  segment_ids: jax.Array | None = None, *, quant: bool | None = None,
                  return_hidden: bool = False) -> jax.Array:  # fmt: skip
-        cfg, dt = self.n3, self.dt
+        cfg = self.n3
         quant = self.use_qat if quant is None else bool(quant)
         positions = checked_positions(tokens, positions, segment_ids, decode)
         t = tokens.shape[1]
