@@ -44,8 +44,11 @@ REMAT_POLICIES = (
     # keep the MLP's gate and up outputs and the residual between attention and MLP, recompute the
     # attention half (q/k/v projections, attention's forward): the MLP's matmuls are most of a block's
     "mlp_saveable",
+    # keep every projection's output (a LoRA adapter's added in) and LoRA's rank-wide x·A: what
+    # dots_with_no_batch_dims_saveable keeps without LoRA, without its second copy under LoRA
+    "projections_saveable",
     # the most the batch's activations fit in the device memory the train state leaves:
-    # dots_with_no_batch_dims_saveable, else mlp_saveable, else nothing_saveable
+    # projections_saveable, else mlp_saveable, else nothing_saveable
     # (needle/model/decoder/scan.py resolve_remat)
     "auto",
 )  # fmt: skip

@@ -155,6 +155,29 @@ def test_adapter_gradients_are_ordered_on_the_cpu_only(cfg, backend, tied):
         assert jnp.array_equal(g, g_cpu)
 
 
+@pytest.mark.parametrize("rank", [0, 4])
+def test_heads_layout_projection_equals_the_flat_one(rank):
+    """LoraDense(heads=H), q/k/v's form off the CPU, is the flat projection as [..., H, F/H]:
+    the same parameters, outputs and (to float rounding) gradients, bias and adapter included."""
+    from needle.model.decoder.layers import LoraDense
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 24))
+    flat = LoraDense(32, rank=rank, scale=2.0, use_bias=True, order_grads=False)
+    headed = LoraDense(32, rank=rank, scale=2.0, use_bias=True, order_grads=False, heads=4)
+    params = flat.init(jax.random.PRNGKey(1), x)
+    params = jax.tree.map(lambda a: a + 0.1, params)  # a non-zero lora_b and bias
+    assert jax.tree.map(jnp.shape, headed.init(jax.random.PRNGKey(1), x)) == jax.tree.map(jnp.shape, params)
+    out = headed.apply(params, x)
+    assert out.shape == (2, 5, 4, 8)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(flat.apply(params, x)).reshape(2, 5, 4, 8))
+
+    def grads(layer):
+        return jax.grad(lambda p, x: jnp.sum(jnp.sin(layer.apply(p, x))), argnums=(0, 1))(params, x)
+
+    for a, b in zip(jax.tree.leaves(grads(headed)), jax.tree.leaves(grads(flat))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_recompute_policy_gives_the_same_loss_and_gradients_as_no_remat():
     """remat="recompute" (a custom VJP that keeps only each block's input) changes no value."""
     import dataclasses

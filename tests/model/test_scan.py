@@ -39,7 +39,7 @@ def test_auto_remat_keeps_what_fits_beside_the_train_state(cfg, monkeypatch):
     smol = cfg.model_copy(update=dict(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
                                       d_ff=1536, n_layers=30))  # fmt: skip
     for trains_all in (False, True):  # 6.6 GB of projections, beside a 0.3 or 2.2 GB state
-        assert transformer.resolve_remat("auto", smol, 16 * 1024, trains_all=trains_all) == "dots_with_no_batch_dims_saveable"
+        assert transformer.resolve_remat("auto", smol, 16 * 1024, trains_all=trains_all) == "projections_saveable"
     qwen = cfg.model_copy(update=dict(vocab_size=151936, d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128,
                                       d_ff=3072, n_layers=28))  # fmt: skip
     assert transformer.count_model_params(qwen) == 595_984_384  # Qwen3-0.6B: 596,049,920 with its 65,536 norm scales
@@ -53,19 +53,19 @@ def test_auto_remat_keeps_what_fits_beside_the_train_state(cfg, monkeypatch):
     assert transformer.resolve_remat("auto", cfg, 8, trains_all=False) == "nothing_saveable"
 
 
-def _saved_scan_residuals(cfg, policy, capsys):
+def _saved_scan_residuals(cfg, policy, capsys, lora=None):
     """The shapes (``f32[L,B,T,F]`` ...) the scanned blocks keep for the backward pass under ``policy``."""
     from jax.ad_checkpoint import print_saved_residuals
 
     tokens = jnp.zeros((2, 32), jnp.int32)
-    model = Transformer(cfg, settings=dataclasses.replace(SCAN, remat=policy, attention="blocked"))
+    model = Transformer(cfg, lora, settings=dataclasses.replace(SCAN, remat=policy, attention="blocked"))
     params = model.init(jax.random.key(0), tokens)["params"]
     print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
     return sorted(ln.split(" ")[0] for ln in capsys.readouterr().out.splitlines() if "scan_blocks" in ln)
 
 
 def test_auto_remat_keeps_projections_but_not_attention_scores(cfg, capsys):
-    """dots_with_no_batch_dims_saveable ("auto" where it fits) keeps each projection's output of the
+    """dots_with_no_batch_dims_saveable (as "auto"'s projections_saveable) keeps each projection's output of the
     scanned body and none of the blocked path's score einsums, which dots_saveable keeps (out of a
     TPU's HBM at 135M x 16k tokens)."""
     kept = {}
@@ -75,6 +75,23 @@ def test_auto_remat_keeps_projections_but_not_attention_scores(cfg, capsys):
     assert kept["dots_saveable"][0] > 0  # the score tensors, per layer
     assert kept["dots_with_no_batch_dims_saveable"] == (0, kept["dots_saveable"][1])  # projections all kept
     assert kept["nothing_saveable"][1] < kept["dots_saveable"][1]  # ... which nothing_saveable recomputes
+
+
+def test_projections_saveable_keeps_one_output_per_lora_projection(cfg, capsys):
+    """Under LoRA, projections_saveable keeps each projection's output once (base and adapter
+    summed) and the rank-wide x·A; dots_with_no_batch_dims_saveable keeps x·W and (x·A)·B apart.
+    Without LoRA the two keep the same."""
+    lora = LoraConfig(rank=4, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    widths = {}
+    for policy in ("projections_saveable", "dots_with_no_batch_dims_saveable"):
+        shapes = [s for s in _saved_scan_residuals(cfg, policy, capsys, lora) if s.count(",") == 3]  # [L,B,T,F]
+        widths[policy] = sorted(int(s.split(",")[-1].rstrip("]")) for s in shapes)
+    kv, q = cfg.n_kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim
+    outputs = sorted([q, kv, kv, cfg.d_model, cfg.d_ff, cfg.d_ff, cfg.d_model])
+    assert widths["projections_saveable"] == sorted([lora.rank] * 7 + outputs)
+    assert len(widths["dots_with_no_batch_dims_saveable"]) > len(widths["projections_saveable"])
+    assert _saved_scan_residuals(cfg, "projections_saveable", capsys) == _saved_scan_residuals(
+        cfg, "dots_with_no_batch_dims_saveable", capsys)
 
 
 def test_mlp_saveable_keeps_the_mlp_and_recomputes_the_attention_half(cfg, capsys):
@@ -112,7 +129,8 @@ def test_scanned_equals_unrolled_forward_packed(cfg, make_tokens, family):
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("mode", "remat"), [("full", "none"), ("lora", "recompute"), ("lora", "dots_saveable")])
+@pytest.mark.parametrize(("mode", "remat"), [("full", "none"), ("lora", "recompute"), ("lora", "dots_saveable"),
+                                           ("lora", "projections_saveable"), ("full", "mlp_saveable")])
 def test_scanned_gradients_equal_unrolled(cfg, make_tokens, mode, remat):
     lora = LoraConfig(rank=4) if mode == "lora" else None
     params = init_params(cfg, lora, jax.random.key(3))
@@ -135,6 +153,34 @@ def test_scanned_gradients_equal_unrolled(cfg, make_tokens, mode, remat):
     for a, b in zip(jax.tree.leaves(out_grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)  # f32 sum order
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(out_grads))
+
+
+@pytest.mark.parametrize("family", ["needle", "gemma3_text"])
+def test_accelerator_form_of_a_lora_step_equals_the_cpu_one(cfg, make_tokens, family):
+    """A TPU's settings (in float32, on the CPU host) build q/k/v in the heads layout, leave out
+    the CPU's adapter-gradient ordering and keep projections_saveable's activations: the same
+    loss and LoRA gradients as the CPU's program."""
+    cfg = _gemma(cfg) if family == "gemma3_text" else cfg
+    lora = LoraConfig(rank=4, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 if str(p[-1]).find("lora_b") >= 0 else x, init_params(cfg, lora, jax.random.key(3)))
+    trainable, frozen = split_trainable(params, "lora")
+    tokens = make_tokens((2, 16), seed=4)
+    tpu = dataclasses.replace(settings_for("tpu", cfg.n_layers), compute_dtype="float32",
+                              residual_dtype="float32", remat="projections_saveable")  # fmt: skip
+
+    def loss(model):
+        def f(tr):
+            logits = model.apply({"params": combine(tr, frozen)}, tokens)
+            return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 0])
+        return jax.jit(jax.value_and_grad(f))(trainable)
+
+    ref_loss, ref_grads = loss(Transformer(cfg, lora, SCAN))
+    out_loss, out_grads = loss(Transformer(cfg, lora, tpu))
+    np.testing.assert_allclose(float(out_loss), float(ref_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out_grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(out_grads))
 
 
 @pytest.mark.parametrize(("family", "backend"), [("needle", "cpu"), ("gemma3_text", "cpu"), ("needle", "tpu")])

@@ -139,7 +139,7 @@ def test_remat_gives_same_logits(cfg, base_params, make_tokens, logits_of):
     tokens = make_tokens((1, 8))
     cpu = dataclasses.replace(settings_for("cpu"), remat="none")
     ref = logits_of(Transformer(cfg, settings=cpu), base_params, tokens)
-    for policy in ("everything", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+    for policy in ("everything", "dots_saveable", "dots_with_no_batch_dims_saveable", "projections_saveable", "mlp_saveable"):
         remat = logits_of(Transformer(cfg, settings=dataclasses.replace(cpu, remat=policy)), base_params, tokens)
         np.testing.assert_allclose(np.asarray(remat), np.asarray(ref), atol=1e-6)
     with pytest.raises(ValueError, match="remat policy"):

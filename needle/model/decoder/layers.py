@@ -15,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from needle.model.decoder.recompute import grads_before_input
 
@@ -36,21 +37,34 @@ class LoraDense(nn.Module):
     # CPU scheduler, which otherwise keeps every layer's inputs alive to the step's end; off the CPU
     # it would only serialise the backward pass (_Layer.proj sets it for the CPU backend only).
     order_grads: bool = True
+    # > 0: the output as [..., heads, features / heads] (attention's q/k/v), each matmul writing
+    # that layout itself; the parameters keep their [in, features] shapes.
+    heads: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d_in = x.shape[-1]
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (d_in, self.features), self.param_dtype)
         x = x.astype(self.dtype)
-        y = jnp.dot(x, kernel.astype(self.dtype))
+        out = (self.heads, self.features // self.heads) if self.heads else (self.features,)
+
+        def project(h: jax.Array, w: jax.Array) -> jax.Array:
+            w = w.astype(self.dtype).reshape(w.shape[0], *out)
+            return jax.lax.dot_general(h, w, (((h.ndim - 1,), (0,)), ((), ())))
+
+        y = project(x, kernel)
         if self.rank:
             a = self.param("lora_a", nn.initializers.normal(d_in**-0.5), (d_in, self.rank), self.param_dtype)
             b = self.param("lora_b", nn.initializers.zeros_init(), (self.rank, self.features), self.param_dtype)
             xa, a, b = grads_before_input(x, a, b) if self.order_grads else (x, a, b)
-            y = y + self.scale * jnp.dot(jnp.dot(xa, a.astype(self.dtype)), b.astype(self.dtype))
+            down = checkpoint_name(jnp.dot(xa, a.astype(self.dtype)), "lora_down")
+            y = y + self.scale * project(down, b)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
-        return y
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+            y = y + bias.astype(self.dtype).reshape(out)
+        # Named for remat "projections_saveable" (needle/model/decoder/scan.py), which keeps this sum
+        # and the rank-wide x·A: a dots policy would keep x·W and (x·A)·B apart, twice the memory.
+        return checkpoint_name(y, "proj_out")
 
 
 class RMSNorm(nn.Module):
