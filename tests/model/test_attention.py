@@ -4,6 +4,7 @@ segment ids, sliding windows, the soft cap; and the model's blocked/dense paths 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,31 @@ def test_tiled_program_does_not_grow_with_sequence_length():
         return jax.jit(grad).lower(q, k, v).as_text().count("\n")
 
     assert hlo_ops(8 * 64) <= hlo_ops(64) * 1.05
+
+
+def test_projections_saveable_keeps_the_tiled_output_and_recomputes_no_tile(capsys):
+    """Under remat "projections_saveable" the tiled attention's output and log-sum-exp are kept
+    by name, so the backward pass runs no forward tile again, and the gradients are unchanged."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from needle.model.decoder.scan import lookup_checkpoint_policy
+    from needle.model.decoder.tiled import tiled_attention
+
+    q, k, v = _qkv(b=1, t=64)
+    seg = jnp.asarray(np.arange(64) // 10 + 1, jnp.int32)[None]
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(tiled_attention(q, k, v, seg, block=16)))
+
+    kept = jax.checkpoint(loss, policy=lookup_checkpoint_policy("projections_saveable"))
+    print_saved_residuals(kept, q, k, v)
+    names = [ln.split("named ")[1].split(" ")[0] for ln in capsys.readouterr().out.splitlines() if "named" in ln]
+    assert sorted(names) == ["'attn_lse'", "'attn_out'"]
+    # The forward tiles' running max: once in the gradient's program (the forward), where plain
+    # remat runs those tiles twice.
+    def running_maxes(f):
+        return len(re.findall(r"= max ", str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(q, k, v))))
+
+    assert (running_maxes(kept), running_maxes(jax.checkpoint(loss))) == (1, 2)
+    for a, b in zip(jax.grad(kept, (0, 1, 2))(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 NEG_LOGIT = float(jnp.finfo(jnp.float32).min)  # a masked score (also attention.py's)
 _PAD_SEGMENT = int(jnp.iinfo(jnp.int32).min)  # padding up to whole tiles: matches no real segment
@@ -124,6 +125,9 @@ def _attention(blk: int, scale: float, window: int | None, softcap: float | None
 
     def fwd(qt, kt, vt, st, lo):  # noqa: ANN001, ANN202
         out, lse = forward_tiles(qt, kt, vt, st, lo)
+        # Named for remat "projections_saveable" (needle/model/decoder/scan.py): kept, the backward
+        # pass does not run the forward tiles again.
+        out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
         return out.astype(vt.dtype), (qt, kt, vt, st, lo, out, lse)
 
     def bwd(res, dout):  # noqa: ANN001, ANN202
