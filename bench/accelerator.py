@@ -182,7 +182,7 @@ def run_case(
     from needle.model.decoder.scan import resolve_remat
     from needle.model.decoder.transformer import Transformer
     from needle.model.hf.random_model import shape_config
-    from needle.train.run import frozen_in_compute_dtype, state_from_params
+    from needle.train.run import build_state_from_params
     from needle.train.step import train_step
 
     shape, mode, rows, seq = parse_case(case)
@@ -198,12 +198,12 @@ def run_case(
                            "settings": dataclasses.asdict(settings),
                            "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq, trains_all=mode == "full")}  # fmt: skip
     try:
-        params = random_params(cfg, lora_cfg, settings)
-        counts = count_matmul_params(params)
-        # As needle.train.run.run_training: blocks stacked, a LoRA run's frozen base in the compute
-        # dtype (the host master copy it keeps for the export is dropped here).
-        state, _ = frozen_in_compute_dtype(state_from_params(params, model, mode, OptimConfig(), 100), settings)
-        del params
+        held = [random_params(cfg, lora_cfg, settings)]
+        counts = count_matmul_params(held[0])
+        # As needle.train.run.run_training: a LoRA run's frozen base in the compute dtype, blocks
+        # stacked, without the host master copy it keeps for the export; the float32 params handed
+        # over with no reference left here, so they are freed once cast.
+        state, _ = build_state_from_params(held.pop(), model, mode, OptimConfig(), 100)
         batch = packed_batch(cfg.vocab_size, rows, seq)
         t0 = time.perf_counter()
         compiled = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()

@@ -6,8 +6,8 @@ case syntax and settings: ``settings_for("tpu", n_layers)``, LoRA rank 16, block
 run's frozen base in the compute dtype, ``jit(train_step, donate_argnums=0)``) on abstract
 inputs, and writes
 
-* ``DIR/<case>.hlo.txt``: the optimized HLO, the program the TPU would run (instruction names
-  match a profile of the real run);
+* ``DIR/<case>.hlo.txt``: the optimized HLO, the program the TPU would run (its instruction names
+  matched a profile of the real run made with the same jax and libtpu versions);
 * ``DIR/<case>.json``: ``memory_analysis`` (argument, temporary, output and aliased bytes, and the
   HBM need: arguments + temporaries + outputs not aliased, which is what ``hbm_gb`` of
   bench.accelerator reports; on a TPU v5e it equalled what the real chip reported), whether it
@@ -49,8 +49,11 @@ TOPOLOGY_RE = re.compile(r"v\w+:\d+(x\d+)*")
 HBM_GIB = {"TPU v5 lite": 15.75}
 # Set before libtpu loads: a single host described here, so libtpu does not query GCE's metadata
 # server (there is none off Google Cloud); the runtime backend stays the CPU, the TPU is compile-only.
-TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost",
-           "TPU_WORKER_ID": "0", "JAX_PLATFORMS": "cpu"}  # fmt: skip
+# (Without them libtpu logs one harmless error line and still compiles.)
+TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+           "JAX_PLATFORMS": "cpu"}  # fmt: skip
+# The accelerator type a one-host topology names, where it is known.
+ACCELERATOR_TYPE = {"v5e:1x1": "v5litepod-1", "v5e:2x2": "v5litepod-4"}
 TOP = 25
 
 
@@ -68,6 +71,8 @@ def get_topology_devices(name: str) -> list[Any]:
         raise Refused("libtpu is not installed: pip install -e '.[tpu]' (any x86-64 Linux host; no TPU needed)")
     for key, value in TPU_ENV.items():
         os.environ.setdefault(key, value)
+    if name in ACCELERATOR_TYPE:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", ACCELERATOR_TYPE[name])
     # lazy: libtpu reads TPU_ENV when it loads
     from jax.experimental import topologies
 
@@ -78,8 +83,8 @@ def get_topology_devices(name: str) -> list[Any]:
         topo = topologies.get_topology_desc(topology_name=name, platform="tpu", chip_config_name="default",
                                             chips_per_host_bounds=(1, 1, 1) if chips == 1 else (2, 2, 1),
                                             num_slices=1, wrap=(False, False, False))  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - libtpu's error for a name it does not know
-        raise Refused(f"unknown TPU topology {name!r} ({str(exc).splitlines()[0][:200]})") from exc
+    except Exception as exc:  # noqa: BLE001 - libtpu's error: an unknown name, or libtpu failing to start
+        raise Refused(f"libtpu gave no topology {name!r}: {str(exc).splitlines()[0][:200]}") from exc
     return list(topo.devices)
 
 
@@ -151,7 +156,7 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     from needle.model.decoder.transformer import Transformer
     from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
-    from needle.train.run import state_from_params
+    from needle.train.run import build_state_from_params
     from needle.train.step import train_step
 
     case, own = parse_variant(variant)
@@ -172,11 +177,10 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     init_settings = dataclasses.replace(settings, attention="blocked")
     params_shapes: list[Any] = []
 
-    def build() -> Any:  # run_case's state (needle.train.run.frozen_in_compute_dtype's cast), traced only
+    def build() -> Any:  # run_case's state (needle.train.run.build_state_from_params), traced only
         params = lora_lib.init_params(cfg, lora_cfg, 0, init_settings)
         params_shapes.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
-        state = state_from_params(params, model, mode, OptimConfig(), 100)
-        return state.replace(frozen=lora_lib.in_compute_dtype(state.frozen, settings))
+        return build_state_from_params(params, model, mode, OptimConfig(), 100)[0]
 
     sharding = SingleDeviceSharding(device)
     with patch_for_tpu(hbm_bytes):
@@ -198,6 +202,22 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     return rec, compiled.as_text()
 
 
+def check_overrides(items: list[str]) -> None:
+    """Refuse a ``--set`` that is not ``FIELD=VALUE`` of a BackendSettings field with a valid value
+    (before compiling, so that a typo is not recorded as a failed compile)."""
+    # lazy: needle.hardware imports jax, which loads after get_topology_devices has set TPU_ENV
+    from needle.hardware import BackendSettings, settings_for
+
+    fields = {f.name for f in dataclasses.fields(BackendSettings)}
+    overrides = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields:
+            raise ValueError(f"--set {item!r}: FIELD=VALUE with FIELD one of {sorted(fields)}")
+        overrides[key] = parse_value(value)
+    dataclasses.replace(settings_for("tpu"), **overrides)  # BackendSettings refuses a bad value
+
+
 def run(args: argparse.Namespace) -> int:
     if not TOPOLOGY_RE.fullmatch(args.topology):
         raise Refused(f"--topology takes NAME:AxB (v5e:1x1, v5e:2x2), got {args.topology!r}")
@@ -209,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     devices = get_topology_devices(args.topology)
     try:
         check_variant(args.case)  # layers=N on a shape it cannot cut
+        check_overrides(args.set)
     except ValueError as exc:
         raise Refused(str(exc)) from exc
     kind = devices[0].device_kind
@@ -230,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         rec["custom_calls"] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
         rec["mosaic_kernels"] = find_mosaic_kernels(module)
         if args.cycles:
-            report = estimate_cycles(module)
+            report = estimate_cycles(module, dynamic_trip=args.dynamic_trip)
             rec["cycles"] = {**report, "top": report["top"][:TOP]}
             print(format_report(report, TOP))
     Path(f"{stem}.json").write_text(json.dumps(rec, indent=1))
@@ -249,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the chip's memory remat 'auto' plans for and the fit is judged against (v5e default 15.75)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "aot"))
     ap.add_argument("--cycles", action="store_true", help="add bench.hlo_cycles's step-time proxy (XLA's estimate)")
+    ap.add_argument("--dynamic-trip", type=float, default=2.0,
+                    help="trips assumed for a loop of data-dependent bound (the tiled attention's key tiles: "
+                         "2.0 for the bench's packed rows at T=1024, 3.0 at T=2048)")
     args = ap.parse_args(argv)
     try:
         return run(args)

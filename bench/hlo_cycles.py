@@ -17,7 +17,7 @@ prefix. Nothing models overlap: the total is a serial sum.
 It is XLA's cost model, not a measurement. The clock, 1.5 GHz, is calibrated on an 8192^3 bf16
 matmul compiled for a TPU v5e (9,557,312 estimated cycles: 6.4 ms, 88 % of the 197 TFLOP/s MXU
 bound; 4096^3 at 97 %, so a faster clock would put that one above the peak). On four cases
-measured on a TPU v5e (2026-12-07) the sum ranks them right but runs 1.3-2.0x above the measured
+measured on a TPU v5e (2026-12-07) the sum ranks them right but runs 1.3-2.04x above the measured
 step time: matmul-bound fusions match within ~5 %, memory-bound ones are overestimated 1.5-4x.
 Use it to compare two programs (a setting, a commit) and see where the estimate goes.
 
@@ -295,8 +295,9 @@ def estimate_cycles(
                 continue
             if ins.opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+                # Ordered as the index form is (lax.cond's false branch first, true last).
                 names = [x.strip().lstrip("%") for x in m.group(1).split(",")] if m else \
-                    [n for n in (ins.attr("true_computation"), ins.attr("false_computation")) if n]  # fmt: skip
+                    [n for n in (ins.attr("false_computation"), ins.attr("true_computation")) if n]  # fmt: skip
                 costs = [walk(module.computations[b], 1, record=False) for b in names]  # priced, not recorded
                 pick = {"max": max(range(len(costs)), key=costs.__getitem__), "last": len(costs) - 1, "first": 0}[branch]
                 if record and max(costs) > 0:

@@ -107,16 +107,15 @@ def child_train(shape: str, path: str, steps: int, watch: RssWatch) -> dict[str,
     from bench.flops import count_matmul_params
     from needle.config import OptimConfig
     from needle.model import lora as lora_lib
-    from needle.train.run import frozen_in_compute_dtype, state_from_params
+    from needle.train.run import build_state_from_params
     from needle.train.step import train_step
 
     cfg, lora_cfg, model = _model(shape, path, lora=True)
-    params = lora_lib.init_params(cfg, lora_cfg, 0, model.settings)
-    counts = count_matmul_params(params)
-    # The state as needle.train.run.run_training builds it (a scanned model's blocks stacked, the
-    # frozen base in the compute dtype), so the peak is the library's.
-    state, _ = frozen_in_compute_dtype(state_from_params(params, model, "lora", OptimConfig(), 100), model.settings)
-    del params
+    counts = count_matmul_params(jax.eval_shape(lambda: lora_lib.init_params(cfg, lora_cfg, 0, model.settings)))
+    # The state as needle.train.run.run_training builds it (the frozen base in the compute dtype, a
+    # scanned model's blocks stacked; no host master copy), so the peak is the library's.
+    state, _ = build_state_from_params(lora_lib.init_params(cfg, lora_cfg, 0, model.settings), model, "lora",
+                                       OptimConfig(), 100)  # fmt: skip
     rng = np.random.default_rng(0)
     batch = {"inputs": jnp.asarray(rng.integers(0, cfg.vocab_size, (BATCH, SEQ)), jnp.int32),
              "targets": jnp.asarray(rng.integers(0, cfg.vocab_size, (BATCH, SEQ)), jnp.int32),

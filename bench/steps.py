@@ -28,7 +28,7 @@ from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
 from needle.hardware import settings_for, with_overrides
 from needle.model.lora import count_params
 from needle.train.run import build_state as run_build_state
-from needle.train.run import frozen_in_compute_dtype, make_plans
+from needle.train.run import make_plans
 from needle.train.step import train_step
 
 from bench.flops import count_matmul_params, flops_per_token
@@ -51,8 +51,7 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     settings = with_overrides(settings_for(jax.default_backend(), model_cfg.n_layers), train_cfg)  # as run_training does
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
     base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
-    state = run_build_state(model_cfg, train_cfg, OptimConfig(), lora_cfg, base_dir, settings)
-    state, _ = frozen_in_compute_dtype(state, settings)  # as run_training
+    state, _ = run_build_state(model_cfg, train_cfg, OptimConfig(), lora_cfg, base_dir, settings)
     return state, model_cfg
 
 

@@ -38,7 +38,7 @@ def test_blocked_equals_dense(window, softcap, packed):
     q, k, v = _qkv()
     seg = _segments(2, 23) if packed else None
     seg_mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
-    # The dense reference: the spelled-out softmax of transformer.py (it handles every option).
+    # The dense reference: attention.py's spelled-out softmax (it handles every option).
     ref = softcapped_attention(q, k, v, None, window, 0.3, softcap if softcap else 1e9, seg_mask)
     for block in (4, 8, 64):
         out = blocked_attention(q, k, v, scale=0.3, window=window, softcap=softcap if softcap else 1e9,

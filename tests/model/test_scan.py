@@ -38,7 +38,7 @@ def test_auto_remat_keeps_what_fits_beside_the_train_state(cfg, monkeypatch):
     monkeypatch.setattr(transformer, "device_memory_bytes", lambda: int(15.75 * 2**30))  # a TPU v5e
     smol = cfg.model_copy(update=dict(vocab_size=49152, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64,
                                       d_ff=1536, n_layers=30))  # fmt: skip
-    for trains_all in (False, True):  # 6.6 GB of projections, beside a 0.3 or 2.2 GB state
+    for trains_all in (False, True):  # 5.8 GiB of projections, beside a 0.3 or 2.0 GiB state
         assert transformer.resolve_remat("auto", smol, 16 * 1024, trains_all=trains_all) == "projections_saveable"
     qwen = cfg.model_copy(update=dict(vocab_size=151936, d_model=1024, n_heads=16, n_kv_heads=8, head_dim=128,
                                       d_ff=3072, n_layers=28))  # fmt: skip
@@ -65,7 +65,7 @@ def _saved_scan_residuals(cfg, policy, capsys, lora=None):
 
 
 def test_auto_remat_keeps_projections_but_not_attention_scores(cfg, capsys):
-    """dots_with_no_batch_dims_saveable (as "auto"'s projections_saveable) keeps each projection's output of the
+    """dots_with_no_batch_dims_saveable keeps each projection's output of the
     scanned body and none of the blocked path's score einsums, which dots_saveable keeps (out of a
     TPU's HBM at 135M x 16k tokens)."""
     kept = {}

@@ -66,7 +66,9 @@ def test_scanned_lora_run_resumes_exactly_and_exports_as_unrolled(tmp_path: Path
         runs[scan] = run_training(prepared, tok, model_cfg, train, optim, LORA, base_model_dir=base,
                                   out_dir=tmp_path / f"scan-{scan}")  # fmt: skip
     _, train, optim = finetune_configs("lora", steps=4, scan_layers=True)
-    state = build_state(model_cfg, train, optim, LORA, base, with_overrides(settings_for("cpu"), train))
+    state, master = build_state(model_cfg, train, optim, LORA, base, with_overrides(settings_for("cpu"), train),
+                                keep_master=True)  # fmt: skip
+    assert master is None  # the CPU computes in float32: no cast, no second copy
     assert LAYERS in state.trainable and not any(k.startswith("block_") for k in state.trainable)
     assert len(jax.tree.leaves(state.trainable)) == 2 * len(LORA.targets)  # one leaf per kind, not per layer
 
@@ -102,3 +104,34 @@ def test_accelerator_settings_export_merges_onto_the_float32_base(tmp_path: Path
     untouched = [k for k in base_p if "embed" in k or "scale" in k]
     assert untouched and all(np.array_equal(base_p[k], tuned_p[k]) for k in untouched)
     assert any(not np.array_equal(base_p[k], tuned_p[k]) for k in base_p if "kernel" in k)
+
+
+def test_accelerator_state_holds_a_bfloat16_base_and_a_float32_master_on_the_host() -> None:
+    """build_state_from_params under a TPU's settings: the frozen base cast before it is stacked
+    (matrices bfloat16, norm scales float32), adapters float32, and the export's master copy of the
+    base as host arrays in the state's stacked layout, equal to the float32 params."""
+    from needle.config import OptimConfig, model_preset
+    from needle.model.decoder.transformer import Transformer
+    from needle.model.lora import init_params, split_trainable
+    from needle.train.run import build_state_from_params
+
+    cfg = model_preset("tiny")
+    settings = settings_for("tpu", cfg.n_layers)
+    assert settings.scan_layers and settings.compute_dtype == "bfloat16"
+    params = init_params(cfg, LORA, jax.random.key(0))
+    expected = stack_layers(jax.tree.map(np.asarray, split_trainable(params, "lora")[1]), 1)
+    state, master = build_state_from_params(params, Transformer(cfg, LORA, settings), "lora", OptimConfig(), 4,
+                                            keep_master=True)  # fmt: skip
+    assert LAYERS in state.frozen and LAYERS in state.trainable
+    frozen = jax.tree_util.tree_flatten_with_path(state.frozen)[0]
+    for path, leaf in frozen:
+        matrix = leaf.ndim >= 2 + any(getattr(k, "key", None) == LAYERS for k in path)
+        assert leaf.dtype == (jnp.bfloat16 if matrix else jnp.float32), path
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.trainable))
+    assert jax.tree.structure(master) == jax.tree.structure(state.frozen)
+    for got, want in zip(jax.tree.leaves(master), jax.tree.leaves(expected)):
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, want)
+    _, none = build_state_from_params(init_params(cfg, LORA, jax.random.key(0)), Transformer(cfg, LORA, settings),
+                                      "lora", OptimConfig(), 4)  # fmt: skip
+    assert none is None  # no master unless asked

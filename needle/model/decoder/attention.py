@@ -1,7 +1,7 @@
 """Causal attention in query blocks: never the full ``[B, H, T, T]`` score tensor.
 
 ``blocked_attention(q, k, v, ...)`` computes exactly what the dense path of
-needle/model/decoder/transformer.py computes (causal, grouped-query, optional sliding window, packing's
+needle/model/decoder/block.py's ``Attention`` computes (causal, grouped-query, optional sliding window, packing's
 segment ids, Gemma's attention soft cap), one block of ``block`` queries at a time. Packed rows
 (``segment_ids``) longer than two blocks go to needle/model/decoder/tiled.py instead, which also
 skips the keys of earlier rows. Each query block sees only the key range it can reach (``[start - window + 1,

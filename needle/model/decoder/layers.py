@@ -1,4 +1,4 @@
-"""The dense and norm layers of needle's transformer (needle/model/decoder/transformer.py).
+"""The dense and norm layers of needle's transformer blocks (needle/model/decoder/block.py).
 
 ``LoraDense`` is a bias-free (optionally biased) projection with an optional LoRA adapter, the
 adapter path ``(x·A)·B`` kept apart from ``x·W``; ``RMSNorm`` normalises in float32 with a learned

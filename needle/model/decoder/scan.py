@@ -15,7 +15,7 @@ cast each projection makes anyway). The KV cache of a scanned model is stacked t
                for j in range(period)]
     x, _ = scan_blocks(blocks, stacked, x, positions, segment_ids, jnp.float32, policy)
 
-Used by needle/model/decoder/transformer.py (``BackendSettings.scan_layers``).
+Used by needle/model/decoder/transformer.py (``BackendSettings.scan_layers``) and block.py (remat policies).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ def device_memory_bytes() -> int | None:
 # The share of the device memory beside the train state that remat "auto" lets kept activations
 # take; the rest is for what the estimate leaves out: the loss chunk's logits and their gradient
 # (1024 x 151,936 float32 is 0.6 GB, Gemma's 262k vocabulary 1 GB), one block's working set and
-# XLA's own buffers. On a TPU v5e the choices it makes ran (2026-12-07): 135M LoRA at 16 x 1024
-# keeping every projection (6.6 GB kept, 10.4 GB in all), Qwen3-0.6B LoRA keeping the MLP (7.5 GB,
-# 12.3 GB in all). Not sharded: with fsdp each device holds a part of the state and the batch,
+# XLA's own buffers. On a TPU v5e these choices ran (2026-12-07, under the dots policy that
+# projections_saveable replaced: 135M LoRA at 16 x 1024 keeping every projection, 10.4 GB in all;
+# Qwen3-0.6B LoRA keeping the MLP, 12.3 GB in all); compiled ahead of time, the 135M LoRA now
+# needs 7.3 GiB. Not sharded: with fsdp each device holds a part of the state and the batch,
 # which this estimate does not divide.
 KEPT_SHARE = 0.6
 
@@ -50,7 +51,7 @@ MLP_SAVED_NAMES = ("block_mid", "mlp_gate", "mlp_up")
 # (checkpoint names set in needle/model/decoder/layers.py LoraDense), and the tiled attention's
 # output and log-sum-exp (tiled.py), so that its forward is not run again in the backward pass
 # (135M Llama LoRA at 16 x 1024 compiled for a TPU v5e: XLA's estimate 445 -> 403 ms a step,
-# 1.2 GB more temporaries, 2026-12-07).
+# 1.1 GiB more temporaries, 2026-12-07).
 PROJECTION_SAVED_NAMES = ("proj_out", "lora_down", "attn_out", "attn_lse")
 
 
@@ -70,27 +71,28 @@ def resolve_remat(policy: str, cfg: ModelConfig, tokens: int, *, trains_all: boo
 
     The state: the frozen base in bfloat16 (2 bytes a parameter) for LoRA; float32 weights,
     gradients and two Adam moments (16 bytes a parameter) with ``trains_all`` (full fine-tuning).
-    On a TPU v5e (15.75 GB) the 135M Llama shape at 16 x 1024 keeps every projection (6.6 GB),
-    Qwen3-0.6B's LoRA the MLP (7.5 GB of the 15 GB every projection would take), its full
-    fine-tuning nothing (9.5 GB of state). Without a known device memory (the CPU): nothing_saveable.
+    On a TPU v5e (15.75 GiB) the 135M Llama shape at 16 x 1024 keeps every projection (5.8 GiB),
+    Qwen3-0.6B's LoRA the MLP (7.0 GiB of the 14.0 GiB every projection would take), its full
+    fine-tuning nothing (8.9 GiB of state). Without a known device memory (the CPU): nothing_saveable.
 
     Not "dots_saveable": it also keeps attention's score einsums (dots with batch dimensions), so
     the blocked path's ``[B, K, G, block, T]`` float32 scores of every layer: the 135M Llama shape
     at 16 x 1024 needed 21.1 GB of temporaries that way on a TPU v5e (2026-12-06), out of HBM. Not
     "dots_with_no_batch_dims_saveable": under LoRA it keeps x·W and the adapter's (x·A)·B of every
-    projection apart, twice the projections' memory (135M LoRA at 16 x 1024: 10.1 GB of
-    temporaries against full fine-tuning's 6.1, compiled for a TPU v5e ahead of time, 2026-12-07)."""
+    projection apart, twice the projections' memory (135M LoRA at 16 x 1024: 10.07 GiB of
+    temporaries against full fine-tuning's 6.06, compiled for a TPU v5e ahead of time, 2026-12-07)."""
     if policy != "auto":
         return policy
     limit = device_memory_bytes()
     if limit is None:
         return "nothing_saveable"
     budget = KEPT_SHARE * (limit - count_model_params(cfg) * (16 if trains_all else 2))
-    dots = 2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.d_model + 3 * cfg.d_ff
+    outputs = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + 2 * cfg.d_model + 2 * cfg.d_ff
     per_token_layer = {
-        # bf16 projection outputs and the tiled attention's float32 output (LoRA's rank-wide x·A
-        # and the log-sum-exp left out: < 2 %)
-        "projections_saveable": 2 * dots + 4 * cfg.n_heads * cfg.head_dim,
+        # bf16 outputs of q, k, v, o, gate, up, down and the tiled attention's float32 output,
+        # counted whether or not a batch takes the tiled path (LoRA's rank-wide x·A and the
+        # log-sum-exp left out: < 2 %)
+        "projections_saveable": 2 * outputs + 4 * cfg.n_heads * cfg.head_dim,
         "mlp_saveable": 2 * 2 * cfg.d_ff + 4 * cfg.d_model,  # bf16 gate and up, float32 residual
     }
     for name, width in per_token_layer.items():
@@ -125,7 +127,7 @@ def cast_matrices(tree: Any, dtype: Any) -> Any:
     return jax.tree_util.tree_map_with_path(cast, tree)
 
 
-def stack_layers(params: dict[str, Any], period: int) -> dict[str, Any]:
+def stack_layers(params: dict[str, Any], period: int, stack: Any = jnp.stack) -> dict[str, Any]:
     """``block_i`` subtrees moved to ``layers/<j>``, stacked on a new axis 0 (block ``g * period + j``
     at index ``g``); the rest of the tree as it is. A tree without blocks comes back unchanged.
 
@@ -140,16 +142,17 @@ def stack_layers(params: dict[str, Any], period: int) -> dict[str, Any]:
     groups = len(blocks) // period
     out = {k: v for k, v in params.items() if not k.startswith("block_")}
     out[LAYERS] = {
-        str(j): jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"block_{g * period + j}"] for g in range(groups)])
+        str(j): jax.tree.map(lambda *xs: stack(xs), *[params[f"block_{g * period + j}"] for g in range(groups)])
         for j in range(period)
     }  # fmt: skip
     return out
 
 
-def stack_model_layers(params: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+def stack_model_layers(params: dict[str, Any], cfg: ModelConfig, stack: Any = jnp.stack) -> dict[str, Any]:
     """``stack_layers`` over ``cfg``'s layer period: the layout a scanned model's train state and
-    decoding read (``needle.train.run.build_state``, ``needle.eval.decode.decoding_params``)."""
-    return stack_layers(params, layer_period(cfg.resolved_layer_types()))
+    decoding read (``needle.train.run.build_state``, ``needle.eval.decode.decoding_params``);
+    ``stack=np.stack`` stacks host arrays on the host."""
+    return stack_layers(params, layer_period(cfg.resolved_layer_types()), stack)
 
 
 def unstack_layers(params: dict[str, Any]) -> dict[str, Any]:
