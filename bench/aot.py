@@ -172,13 +172,10 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     rec: dict[str, Any] = {"variant": variant, "case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq,
                            "n_layers": cfg.n_layers, "target": device.device_kind, "chip_hbm_gib": hbm_bytes / 2**30,
                            "settings": dataclasses.asdict(settings)}  # fmt: skip
-    # Parameters do not depend on the attention path, and init traces an 8-token sequence, which
-    # splash refuses (T a multiple of 128): init on the blocked path.
-    init_settings = dataclasses.replace(settings, attention="blocked")
     params_shapes: list[Any] = []
 
     def build() -> Any:  # run_case's state (needle.train.run.build_state_from_params), traced only
-        params = lora_lib.init_params(cfg, lora_cfg, 0, init_settings)
+        params = lora_lib.init_params(cfg, lora_cfg, 0, settings)
         params_shapes.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
         return build_state_from_params(params, model, mode, OptimConfig(), 100)[0]
 

@@ -165,3 +165,24 @@ def test_auto_takes_splash_on_a_tpu_for_heads_of_128_lanes_or_more(monkeypatch, 
     attn = Attention(cfg, None, settings)
     assert attn._splash(jnp.zeros((1, 256, 2, head_dim))) is splash
     assert attn._splash(jnp.zeros((1, 200, 2, head_dim))) is (attention == "splash")  # T not a multiple of 128
+
+
+def test_a_model_asking_for_splash_initialises_and_equals_blocked():
+    """attention="splash" initialises although init traces a few tokens the kernel refuses (the
+    parameters do not depend on the path), and its forward equals the blocked one's."""
+    import dataclasses
+
+    from needle.config import model_preset
+    from needle.hardware import settings_for
+    from needle.model.lora import init_params
+    from needle.model.decoder.transformer import Transformer
+
+    cfg = model_preset("tiny")
+    blocked = dataclasses.replace(settings_for("cpu"), attention="blocked", remat="none")
+    splash = dataclasses.replace(blocked, attention="splash")
+    params = init_params(cfg, None, 0, splash)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, init_params(cfg, None, 0, blocked))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (1, 128)), jnp.int32)
+    out = Transformer(cfg, settings=splash).apply({"params": params}, tokens)
+    ref = Transformer(cfg, settings=blocked).apply({"params": params}, tokens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)

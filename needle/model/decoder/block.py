@@ -198,7 +198,10 @@ class Attention(_Layer):
         """Pallas splash attention: asked for ("splash"), or "auto" on a TPU for the shapes it takes."""
         s, (t, hd) = self.settings, (q.shape[1], q.shape[3])
         if s.attention == "splash":
-            return True
+            # Init traces a few dummy tokens, which the kernel refuses (T a multiple of 128); the
+            # parameters do not depend on the attention path.
+            initializing = self.scope is not None and self.is_initializing()
+            return not initializing or splash_supported(t, hd)
         # Heads narrower than the kernel's 128 lanes run it at half width: on a TPU v5e the blocked
         # (tiled) path trained the 135M Llama shape (head_dim 64) at 16 x 1024 in 233 ms a LoRA step
         # against splash's 282 (full: 217 vs 270), while splash led at head_dim 128 (Qwen3-0.6B full:
