@@ -3,7 +3,9 @@
 The 135M Llama shape with random weights (bench/memory.py's model and prompts: 8 rows of about 500
 tokens), on the device JAX finds: the whole call for 96 and for 1 new token, the weights' stacking
 and cast (``decoding_params``), the cache's allocation (``init_cache``), the jitted decode program
-alone for 1 and 96 tokens, and the prefill alone. A whole call far above its program's time is
+alone for 1 and 96 tokens, the prefill alone, and the constrained path's host loop (a jitted step
+per token, the token back on the host each time) free and with an all-allowed mask, against the
+program's device loop. A whole call far above its program's time is
 host work (on the TPU machine, 2026-12-07, tracing the model for every ``init_cache`` was 0.7 s
 of each call).
 
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     # lazy, as jax: the model code imports it
     from bench.memory import NEW_TOKENS, PROMPT, _model
     from needle.eval.decode import _decode_batch, _prefill, decoding_params, generate_detailed, stop_array
+    from needle.eval.decode import _prefill_free, _step_free, _step_masked
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
 
@@ -72,11 +75,34 @@ def main(argv: list[str] | None = None) -> int:
     def program(k: int) -> Callable[[], Any]:
         return lambda: _decode_batch(model, dp, cache, tokens, lengths, limits, stop_array(stop), np.int32(0), None, max_new=k)[0]
 
+    def host_loop(k: int, masked: bool) -> Callable[[], Any]:
+        """The constrained path's loop (needle.eval.decode._decode_host): one jitted step per token
+        and the token back on the host every step; ``masked`` with an all-allowed bitmask, so the
+        mask's device work counts and no grammar matcher's host time does."""
+        bits = np.full((8, (cfg.vocab_size + 31) // 32), -1, np.int32)
+        closing, scores = np.zeros(8, np.int32), jax.numpy.zeros((2, cfg.vocab_size), jax.numpy.float32)
+
+        def run() -> Any:
+            c = init_cache(model, 8, bucket + NEW_TOKENS)
+            nxt, c = _prefill_free(model, dp, c, tokens, lengths)
+            nxt, pos = np.asarray(nxt), lengths.copy()
+            for _ in range(k - 1):
+                if masked:
+                    nxt, c = _step_masked(model, dp, c, nxt, pos, bits, closing, scores)
+                else:
+                    nxt, c = _step_free(model, dp, c, nxt, pos)
+                nxt, pos = np.asarray(nxt), pos + 1
+            return nxt
+
+        return run
+
     parts = {
         f"generate_{NEW_TOKENS}": generate(NEW_TOKENS), "generate_1": generate(1),
         "decoding_params": lambda: decoding_params(model, params), "init_cache": lambda: init_cache(model, 8, bucket + NEW_TOKENS),
         f"decode_program_{NEW_TOKENS}": program(NEW_TOKENS), "decode_program_1": program(1),
         "prefill": lambda: prefill(model, dp, cache, tokens, lengths)[0],
+        f"host_loop_free_{NEW_TOKENS}": host_loop(NEW_TOKENS, masked=False),
+        f"host_loop_masked_{NEW_TOKENS}": host_loop(NEW_TOKENS, masked=True),
     }  # fmt: skip
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "backend": jax.default_backend(), "n_layers": cfg.n_layers}
     for name, fn in parts.items():
