@@ -179,6 +179,7 @@ def run_case(
     # lazy: jax and the model code load only after main() has run prepare_platform_env
     from bench.flops import count_matmul_params
     from bench.memory import _peak_device_bytes, timed_steps
+    from needle.model import lora as lora_lib
     from needle.model.decoder.scan import resolve_remat
     from needle.model.decoder.transformer import Transformer
     from needle.model.hf.random_model import shape_config
@@ -198,12 +199,11 @@ def run_case(
                            "settings": dataclasses.asdict(settings),
                            "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq, trains_all=mode == "full")}  # fmt: skip
     try:
-        held = [random_params(cfg, lora_cfg, settings)]
-        counts = count_matmul_params(held[0])
+        counts = count_matmul_params(jax.eval_shape(lambda: lora_lib.init_params(cfg, lora_cfg, 0, settings)))
         # As needle.train.run.run_training: a LoRA run's frozen base in the compute dtype, blocks
-        # stacked, without the host master copy it keeps for the export; the float32 params handed
-        # over with no reference left here, so they are freed once cast.
-        state, _ = build_state_from_params(held.pop(), model, mode, OptimConfig(), 100)
+        # stacked, without the host master copy it keeps for the export. The float32 params go in
+        # inline, no reference left here, so they are freed once cast.
+        state, _ = build_state_from_params(random_params(cfg, lora_cfg, settings), model, mode, OptimConfig(), 100)
         batch = packed_batch(cfg.vocab_size, rows, seq)
         t0 = time.perf_counter()
         compiled = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()
