@@ -170,7 +170,7 @@ def child_decode(
     import numpy as np
 
     # lazy, as in _model
-    from needle.eval.decode import _prefill_masked, _step_masked, decoding_params, generate_detailed
+    from needle.eval.decode import _pick_masked, _prefill_masked, _step_logits, decoding_params, generate_detailed
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
 
@@ -198,10 +198,13 @@ def child_decode(
         bits = jnp.full((rows, -(-cfg.vocab_size // 32)), -1, jnp.int32)
         closing = jnp.zeros((rows,), jnp.int32)
         scores = jnp.zeros((2, cfg.vocab_size), jnp.float32)
+        # decode.py's order: the next step's forward queued before this token is read on the host.
         nxt, cache = _prefill_masked(model, weights, cache, tokens, lengths, bits, closing, scores)
         pos, made = lengths.copy(), 1
         for _ in range(1, NEW_TOKENS):
-            nxt, cache = _step_masked(model, weights, cache, np.asarray(nxt), pos, bits, closing, scores)
+            logits, cache = _step_logits(model, weights, cache, nxt, pos)
+            np.asarray(nxt)
+            nxt = _pick_masked(logits, bits, closing, scores)
             pos, made = pos + 1, made + 1
         np.asarray(nxt)
         return made

@@ -24,9 +24,10 @@ the prompt whole and lets that row generate only ``max_len - len(prompt)`` token
 left-truncates those itself, with a count).
 With ``matchers`` (one grammar matcher or None per prompt, needle/eval/constrain.py), a batch that
 holds a constrained row decodes on a host loop instead: one jitted prefill, then one jitted cached
-step per token; before each argmax the logits are masked on the device with the rows' bitmasks
-(``[rows, ceil(vocab/32)]`` int32, filled by the matchers in parallel on the host), and each
-chosen token is fed back to its row's matcher. ``on_token`` (streaming) takes that host loop too,
+step per token, queued before the host reads the last token back (``_decode_host``); the logits
+are masked on the device with the rows' bitmasks (``[rows, ceil(vocab/32)]`` int32, filled by
+the matchers in parallel on the host) before each argmax, and each chosen token is fed back to
+its row's matcher. ``on_token`` (streaming) takes that host loop too,
 unmasked for free rows; other free batches keep the single compiled loop. A constrained row with
 ``CLOSE_RESERVE`` tokens of budget left is steered to close its call list once it has opened one.
 With a ``prefix_cache`` (needle/serve/prefix_cache.py; the server keeps one) a prompt whose
@@ -197,11 +198,17 @@ def _prefill_masked(model: Transformer, params: Any, cache: Any, tokens: jax.Arr
 
 
 @partial(jax.jit, static_argnames="model", donate_argnames="cache")
-def _step_masked(model: Transformer, params: Any, cache: Any, tok: jax.Array, pos: jax.Array,
-                 bits: jax.Array, closing: jax.Array, scores: jax.Array) -> tuple[jax.Array, Any]:  # fmt: skip
+def _step_logits(model: Transformer, params: Any, cache: Any, tok: jax.Array, pos: jax.Array) -> tuple[jax.Array, Any]:
+    """One cached step's logits ``[B, V]``: the constrained loop picks from them once the host has
+    the masks, so this runs while the host brings the last token back and updates the matchers."""
     logits, upd = model.apply({"params": params, "cache": cache}, tok[:, None], pos[:, None], decode=True,
                               mutable=["cache"])  # fmt: skip
-    return _masked_argmax(logits[:, 0], bits, closing, scores), upd["cache"]
+    return logits[:, 0], upd["cache"]
+
+
+@jax.jit
+def _pick_masked(logits: jax.Array, bits: jax.Array, closing: jax.Array, scores: jax.Array) -> jax.Array:
+    return _masked_argmax(logits, bits, closing, scores)
 
 
 @partial(jax.jit, static_argnames="model", donate_argnames="cache")
@@ -226,42 +233,53 @@ def _decode_host(
     """The host-loop twin of :func:`_decode_batch`: one jitted step per token, masked for rows with
     a matcher, ``on_token(row, id)`` as each live row's token is chosen (its stop id included).
     Returns the tokens, how many rows were steered to close (module doc: only once a row has
-    opened a call list, so text, or a list not yet begun, is what any budget gives) and the cache."""
+    opened a call list, so text, or a list not yet begun, is what any budget gives) and the cache.
+
+    Each step's forward pass goes to the device before the previous token comes back to the host:
+    it reads that token where the device left it, so the device computes while the host waits
+    for the token (a round trip is about 1.1 ms on a TPU v5e, ``bench.decode_parts``) and updates
+    the matchers; only the masked pick waits for the masks. Rows already done are fed their raw
+    pick instead of ``pad_id``: it only reaches their own cache slots past the answer."""
     constrained = np.array([m is not None for m in matchers]) if matchers else np.zeros(len(limits), bool)
     rows, masked = tokens.shape[0], bool(constrained.any())
     if masked:
         masks = BatchMasks(matchers, constraints.tok_vocab, model.cfg.vocab_size, stops.tolist())
         # On the device once, not sent with every step ([2, V] float32: 0.4 MB at a 49k vocabulary).
         scores, token_bytes = jnp.asarray(constraints.close_scores(model.cfg.vocab_size)), constraints.token_bytes()
-        nxt, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, np.zeros(rows, np.int32),
+        tok, cache = _prefill_masked(model, params, cache, tokens, lengths, masks.bits, np.zeros(rows, np.int32),
                                      scores, starts)  # fmt: skip
     else:
-        nxt, cache = _prefill_free(model, params, cache, tokens, lengths, starts)
+        tok, cache = _prefill_free(model, params, cache, tokens, lengths, starts)
     out = np.full((rows, max_new), pad_id, np.int32)
-    nxt = out[:, 0] = np.asarray(nxt)
     done = limits < 1  # batch padding: no tokens, no callbacks
     opened, steered = np.zeros(rows, bool), np.zeros(rows, bool)
     pos = lengths.astype(np.int32)
     for step in range(max_new):
+        ahead = step + 1 < max_new  # the next token's forward pass, queued before this token is read
+        if ahead and masked:
+            logits, cache = _step_logits(model, params, cache, tok, pos)
+        elif ahead:
+            tok_next, cache = _step_free(model, params, cache, tok, pos)
+        nxt = np.asarray(tok).astype(np.int32)
         if step:
-            feed = np.where(done, pad_id, nxt).astype(np.int32)
-            if masked:
-                masks.update(nxt, done, token_bytes)
-                near_end = constrained & ~done & (limits - step <= CLOSE_RESERVE)
-                for r in np.flatnonzero(near_end & ~opened):
-                    opened[r] = constraints.opens_call_list(out[r, :step])
-                steered |= near_end & opened
-                closing = np.where(near_end & opened, np.where(masks.in_string, 2, 1), 0).astype(np.int32)
-                nxt, cache = _step_masked(model, params, cache, feed, pos, masks.bits, closing, scores)
-            else:
-                nxt, cache = _step_free(model, params, cache, feed, pos)
-            nxt = np.where(done, pad_id, np.asarray(nxt)).astype(np.int32)
-            out[:, step], pos = nxt, pos + 1
+            nxt = np.where(done, pad_id, nxt).astype(np.int32)
+        out[:, step] = nxt
         for r in np.flatnonzero(~done) if on_token is not None else ():
             on_token(int(r), int(nxt[r]))
         done = done | np.isin(nxt, stops) | (step + 1 >= limits)
-        if done.all():
+        if done.all() or not ahead:
             break
+        if masked:
+            masks.update(nxt, done, token_bytes)
+            near_end = constrained & ~done & (limits - (step + 1) <= CLOSE_RESERVE)
+            for r in np.flatnonzero(near_end & ~opened):
+                opened[r] = constraints.opens_call_list(out[r, : step + 1])
+            steered |= near_end & opened
+            closing = np.where(near_end & opened, np.where(masks.in_string, 2, 1), 0).astype(np.int32)
+            tok = _pick_masked(logits, masks.bits, closing, scores)
+        else:
+            tok = tok_next
+        pos = pos + 1
     return out, int(steered.sum()), cache
 
 
