@@ -107,3 +107,24 @@ def test_on_token_hears_each_token_as_chosen_and_changes_no_output(tiny: tuple[T
     live = generate_detailed(model, params, prompts, on_token=lambda i, t: heard[i].append(t), **kw)
     assert live == whole and live.finished[0] and not live.finished[1]
     assert [heard[i] for i in range(3)] == [ids + [stop] * done for ids, done in zip(whole.ids, whole.finished)]
+
+
+@pytest.mark.parametrize("new", [1, 2, NEW])
+def test_streamed_decode_equals_the_compiled_loop_at_any_budget(tiny: tuple[Transformer, dict], new: int) -> None:
+    """The host loop queues each step before it reads the last token back: budgets of one and two
+    tokens, a prompt shrunk to a budget of one, and a batch whose rows all stop before the budget
+    (one step queued past the end) give the compiled loop's ids, each token heard once."""
+    model, params = tiny
+    prompts = _prompts([5, 47, 3, 9], seed=2)
+    free = generate(model, params, prompts, max_new_tokens=NEW, end_id=END, pad_id=PAD, batch_size=4,
+                    overflow="shrink")  # fmt: skip
+    stops = sorted({ids[1] for ids in free if len(ids) > 1} | {END})  # every row stops by its second token
+    kw = {"max_new_tokens": new, "end_id": stops, "pad_id": PAD, "batch_size": 4, "overflow": "shrink"}
+    whole = generate_detailed(model, params, prompts, **kw)
+    heard: dict[int, list[int]] = {i: [] for i in range(4)}
+    live = generate_detailed(model, params, prompts, on_token=lambda i, t: heard[i].append(t), **kw)
+    assert live == whole and whole.n_shrunk == (new > 1) and len(whole.ids[1]) <= 1
+    if new == NEW:
+        assert all(len(ids) <= 1 for ids in whole.ids)  # all stopped early, before the budget
+    assert all(len(heard[i]) == min(len(whole.ids[i]) + whole.finished[i], new) for i in range(4))
+    assert [heard[i][: len(whole.ids[i])] for i in range(4)] == whole.ids
