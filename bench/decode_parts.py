@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # lazy, as jax: the model code imports it
     from bench.memory import NEW_TOKENS, PROMPT, _model
+    from bench.memory import host_loop as host_loop_of
     from needle.eval.decode import _decode_batch, _prefill, decoding_params, generate_detailed, stop_array
-    from needle.eval.decode import _pick_masked, _prefill_free, _step_free, _step_logits
+    from needle.eval.decode import _prefill_free, _step_free
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
 
@@ -79,30 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: _decode_batch(model, dp, cache, tokens, lengths, limits, stop_array(stop), np.int32(0), None, max_new=k)[0]
 
     def host_loop(k: int, masked: bool) -> Callable[[], Any]:
-        """The constrained path's loop (needle.eval.decode._decode_host): one jitted step per token,
-        queued before the last token comes back to the host, which it does every step; ``masked``
-        with an all-allowed bitmask, so the mask's device work counts and no grammar matcher's host
-        time does."""
-        bits = np.full((8, (cfg.vocab_size + 31) // 32), -1, np.int32)
-        closing, scores = np.zeros(8, np.int32), jax.numpy.zeros((2, cfg.vocab_size), jax.numpy.float32)
-
-        def run() -> Any:
-            c = init_cache(model, 8, bucket + NEW_TOKENS)
-            nxt, c = _prefill_free(model, dp, c, tokens, lengths)
-            pos = lengths.copy()
-            for _ in range(k - 1):
-                if masked:
-                    logits, c = _step_logits(model, dp, c, nxt, pos)
-                    np.asarray(nxt)
-                    nxt = _pick_masked(logits, bits, closing, scores)
-                else:
-                    ahead, c = _step_free(model, dp, c, nxt, pos)
-                    np.asarray(nxt)
-                    nxt = ahead
-                pos = pos + 1
-            return np.asarray(nxt)
-
-        return run
+        """The constrained path's loop (bench.memory.host_loop, as needle.eval.decode._decode_host),
+        ``masked`` with an all-allowed bitmask: the mask's device work counts, no matcher's host time."""
+        return lambda: host_loop_of(model, dp, init_cache(model, 8, bucket + NEW_TOKENS), tokens, lengths, k, masked)
 
     def host_loop_unsynced(k: int) -> Callable[[], Any]:
         """The free host loop feeding each step the device's token without bringing it to the

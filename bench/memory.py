@@ -157,6 +157,38 @@ def _gb(x: float | None) -> float | None:
     return None if x is None else x / 2**30
 
 
+def host_loop(model: Any, weights: Any, cache: Any, tokens: Any, lengths: Any, new_tokens: int, masked: bool) -> Any:
+    """``needle.eval.decode._decode_host``'s device work for ``new_tokens`` tokens a row, without a
+    grammar: each step's forward pass queued before the last token is read on the host; ``masked``
+    picks through an all-allowed bitmask sent from the host every step, as the library sends its
+    matchers' masks. ``weights`` as ``decoding_params`` gives them. Returns the last tokens."""
+    import jax.numpy as jnp  # lazy, as in _model
+    import numpy as np
+
+    # lazy, as in _model
+    from needle.eval.decode import _pick_masked, _prefill_free, _prefill_masked, _step_free, _step_logits
+
+    rows, vocab = tokens.shape[0], model.cfg.vocab_size
+    bits = np.full((rows, -(-vocab // 32)), -1, np.int32)
+    closing, scores = np.zeros(rows, np.int32), jnp.zeros((2, vocab), jnp.float32)
+    if masked:
+        tok, cache = _prefill_masked(model, weights, cache, tokens, lengths, bits, closing, scores)
+    else:
+        tok, cache = _prefill_free(model, weights, cache, tokens, lengths)
+    pos = lengths.copy()
+    for _ in range(new_tokens - 1):
+        if masked:
+            logits, cache = _step_logits(model, weights, cache, tok, pos)
+            np.asarray(tok)
+            tok = _pick_masked(logits, bits, closing, scores)
+        else:
+            ahead, cache = _step_free(model, weights, cache, tok, pos)
+            np.asarray(tok)
+            tok = ahead
+        pos = pos + 1
+    return np.asarray(tok)
+
+
 def child_decode(
     shape: str, path: str, rows: int, trace_dir: str | None = None, n_layers: int | None = None
 ) -> dict[str, Any]:  # fmt: skip
@@ -166,11 +198,10 @@ def child_decode(
     (max_new_tokens - 1)`` is a decoding step without the prefill; ``n_layers`` replaces the shape's
     depth (a Llama-like shape: every layer the same kind), which splits a step into per-layer and fixed cost."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     # lazy, as in _model
-    from needle.eval.decode import _pick_masked, _prefill_masked, _step_logits, decoding_params, generate_detailed
+    from needle.eval.decode import decoding_params, generate_detailed
     from needle.model import lora as lora_lib
     from needle.model.decoder.transformer import init_cache
 
@@ -194,20 +225,8 @@ def child_decode(
         lengths = np.array([len(p) for p in prompts], np.int32)
         for r, p in enumerate(prompts):
             tokens[r, : len(p)] = p
-        cache = init_cache(model, rows, bucket + NEW_TOKENS)
-        bits = jnp.full((rows, -(-cfg.vocab_size // 32)), -1, jnp.int32)
-        closing = jnp.zeros((rows,), jnp.int32)
-        scores = jnp.zeros((2, cfg.vocab_size), jnp.float32)
-        # decode.py's order: the next step's forward queued before this token is read on the host.
-        nxt, cache = _prefill_masked(model, weights, cache, tokens, lengths, bits, closing, scores)
-        pos, made = lengths.copy(), 1
-        for _ in range(1, NEW_TOKENS):
-            logits, cache = _step_logits(model, weights, cache, nxt, pos)
-            np.asarray(nxt)
-            nxt = _pick_masked(logits, bits, closing, scores)
-            pos, made = pos + 1, made + 1
-        np.asarray(nxt)
-        return made
+        host_loop(model, weights, init_cache(model, rows, bucket + NEW_TOKENS), tokens, lengths, NEW_TOKENS, masked=True)
+        return NEW_TOKENS
 
     for name, fn in (("free", free), ("constrained", constrained)):
         t0 = time.perf_counter()

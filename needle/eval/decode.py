@@ -206,9 +206,7 @@ def _step_logits(model: Transformer, params: Any, cache: Any, tok: jax.Array, po
     return logits[:, 0], upd["cache"]
 
 
-@jax.jit
-def _pick_masked(logits: jax.Array, bits: jax.Array, closing: jax.Array, scores: jax.Array) -> jax.Array:
-    return _masked_argmax(logits, bits, closing, scores)
+_pick_masked = jax.jit(_masked_argmax)  # the constrained loop's pick, once the host has the masks
 
 
 @partial(jax.jit, static_argnames="model", donate_argnames="cache")
