@@ -21,7 +21,8 @@ into a per-layer and a fixed part without a profiler.
                                 [--set FIELD=VALUE] [--profile DIR]
 
 A case may carry its own settings after a bar, ``135m-lora-16x1024|attention=blocked,remat=none``
-(over ``--set``), and ``layers=N`` cuts the shape to N blocks (a step's per-layer and fixed cost):
+(over ``--set``), ``layers=N`` cuts the shape to N blocks (a step's per-layer and fixed cost) and
+``grad_accum=N`` runs the step's batch as N micro-batches (TrainConfig.grad_accum):
 one process then compares variants against the same measured peak.
 
 A case that runs out of memory is recorded with its error and the run goes on. Prints a table and
@@ -146,7 +147,9 @@ def check_variant(variant: str) -> None:
     from needle.model.hf.random_model import shape_config
 
     case, own = parse_variant(variant)
-    shape, *_ = parse_case(case)
+    shape, _, rows, _ = parse_case(case)
+    if rows % int(own.get("grad_accum", 1)):
+        raise ValueError(f"case {variant!r}: grad_accum must divide the {rows} rows")
     if "layers" in own:
         cut_layers(hf_config_to_model_config(shape_config(shape)), own["layers"], case)
 
@@ -189,6 +192,7 @@ def run_case(
     shape, mode, rows, seq = parse_case(case)
     overrides = dict(overrides or {})
     layers = overrides.pop("layers", None)
+    grad_accum = int(overrides.pop("grad_accum", 1))  # the batch in that many micro-batches (one step)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
     settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers), **overrides)
     if layers is not None:  # after settings_for: the whole shape's settings, fewer blocks
@@ -197,13 +201,17 @@ def run_case(
     model = Transformer(cfg, lora_cfg, settings)
     rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq, "n_layers": cfg.n_layers,
                            "settings": dataclasses.asdict(settings),
-                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq, trains_all=mode == "full")}  # fmt: skip
+                           "grad_accum": grad_accum,
+                           # the model resolves "auto" per micro-batch (its input's shape)
+                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq // grad_accum, trains_all=mode == "full")}  # fmt: skip
     try:
         counts = count_matmul_params(jax.eval_shape(lambda: lora_lib.init_params(cfg, lora_cfg, 0, settings)))
         # As needle.train.run.run_training: a LoRA run's frozen base in the compute dtype, blocks
         # stacked, without the host master copy it keeps for the export. The float32 params go in
         # inline, no reference left here, so they are freed once cast.
-        state, _ = build_state_from_params(random_params(cfg, lora_cfg, settings), model, mode, OptimConfig(), 100)
+        state, _ = build_state_from_params(
+            random_params(cfg, lora_cfg, settings), model, mode, OptimConfig(), 100, grad_accum=grad_accum
+        )
         batch = packed_batch(cfg.vocab_size, rows, seq)
         t0 = time.perf_counter()
         compiled = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()

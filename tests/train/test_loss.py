@@ -65,20 +65,32 @@ def test_chunked_loss_and_grad_equal_dense(kind, packed):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
-def test_chunked_loss_sum_raw_function():
+@pytest.mark.parametrize("skip_empty", [True, False])
+def test_chunked_loss_sum_raw_function(skip_empty):
     rng = np.random.default_rng(1)
     h = jnp.asarray(rng.normal(size=(3, 7, 4)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(4, 13)), jnp.float32)
     y = jnp.asarray(rng.integers(0, 13, (3, 7)), jnp.int32)
     m = jnp.asarray(rng.random((3, 7)) > 0.5, jnp.float32)
     ref = dense_loss_sum(h @ w, y, m)
-    got = chunked_loss_sum(lambda x: x @ w, h, y, m, 4)
+    got = chunked_loss_sum(lambda w, x: x @ w, w, h, y, m, 4, skip_empty=skip_empty)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6)
+    # The fused gradient (one pass, head and hidden) against autodiff of the dense loss.
+    dense = jax.grad(lambda w, x: dense_loss_sum(x @ w, y, m)[0], argnums=(0, 1))(w, h)
+    fused = jax.jit(jax.grad(lambda w, x: chunked_loss_sum(lambda w, x: x @ w, w, x, y, m, 4, skip_empty=skip_empty)[0],
+                             argnums=(0, 1)))(w, h)  # fmt: skip
+    for a, b in zip(dense, fused):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    # A head no gradient reaches (LoRA's frozen base) still gives the hidden states theirs.
+    only_h = jax.grad(lambda x: chunked_loss_sum(lambda w, x: x @ w, jax.lax.stop_gradient(w), x, y, m, 4,
+                                                 skip_empty=skip_empty)[0])(h)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(only_h), np.asarray(dense[1]), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):
-        chunked_loss_sum(lambda x: x @ w, h, y, m, 0)
+        chunked_loss_sum(lambda w, x: x @ w, w, h, y, m, 0)
 
 
-def test_chunks_without_loss_tokens_skip_the_output_layer():
+@pytest.mark.parametrize("skip_empty", [True, False])
+def test_chunks_without_loss_tokens_add_nothing(skip_empty):
     rng = np.random.default_rng(2)
     h = np.asarray(rng.normal(size=(2, 8, 4)), np.float32)
     w = jnp.asarray(rng.normal(size=(4, 13)), jnp.float32)
@@ -86,19 +98,22 @@ def test_chunks_without_loss_tokens_skip_the_output_layer():
     m = np.zeros((2, 8), np.float32)
     m[0, 6:] = m[1, 7] = 1.0  # loss tokens only in the 2nd and 4th chunks of 4
     h_nan = h.copy()
-    h_nan[0, :4] = np.nan  # a chunk with no loss tokens: its logits are never formed
+    h_nan[0, :4] = np.nan  # a chunk with no loss tokens: skipped, or its tokens masked out exactly
     ref_total, ref_n = dense_loss_sum(jnp.asarray(h) @ w, y, jnp.asarray(m))
 
-    def loss(hidden):
-        return chunked_loss_sum(lambda x: x @ w, hidden, y, jnp.asarray(m), 4)[0]
+    def loss(hidden, w):
+        return chunked_loss_sum(lambda w, x: x @ w, w, hidden, y, jnp.asarray(m), 4, skip_empty=skip_empty)[0]
 
-    total, n = chunked_loss_sum(lambda x: x @ w, jnp.asarray(h_nan), y, jnp.asarray(m), 4)
+    total, n = chunked_loss_sum(lambda w, x: x @ w, w, jnp.asarray(h_nan), y, jnp.asarray(m), 4, skip_empty=skip_empty)
     np.testing.assert_allclose(float(total), float(ref_total), rtol=1e-6)
     assert float(n) == float(ref_n) == 3.0
-    grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(h_nan)))
+    grad, grad_w = (np.asarray(g) for g in jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(h_nan), w))
     ref_grad = np.asarray(jax.grad(lambda x: dense_loss_sum(x @ w, y, jnp.asarray(m))[0])(jnp.asarray(h)))
     assert np.all(grad[0, :4] == 0) and np.all(grad[1, :4] == 0)
     np.testing.assert_allclose(grad[:, 4:], ref_grad[:, 4:], rtol=1e-5, atol=1e-6)
+    if skip_empty:  # unmasked NaN states would reach the head's gradient without the skip
+        ref_w = jax.grad(lambda w: dense_loss_sum(jnp.asarray(h) @ w, y, jnp.asarray(m))[0])(w)
+        np.testing.assert_allclose(grad_w, np.asarray(ref_w), rtol=1e-5, atol=1e-6)
 
 
 def test_train_step_chunked_equals_dense():

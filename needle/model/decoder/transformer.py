@@ -62,7 +62,7 @@ each row, so every packed row computes exactly the logits it would alone.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -128,6 +128,8 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     lora: LoraConfig | None = None
     settings: BackendSettings | None = None
+    # The top-level params ``logits`` reads (the chunked loss differentiates only these through it).
+    head_names: ClassVar[tuple[str, ...]] = ("embed", "lm_head")
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits ``[..., V]`` of final hidden states ``[..., D]`` (output layer, soft cap)."""

@@ -48,7 +48,7 @@ layer the attention caches documented in block.py.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -223,6 +223,8 @@ class Needle3Model(nn.Module):
     lora: LoraConfig | None = None
     settings: BackendSettings | None = None
     qat: bool | None = None  # None: lora.qat when lora is given, else False
+    # The top-level params ``logits`` reads (the tied head; the chunked loss differentiates only these).
+    head_names: ClassVar[tuple[str, ...]] = ("embedding",)
 
     def setup(self) -> None:
         cfg = self.cfg.needle3
