@@ -22,7 +22,8 @@ into a per-layer and a fixed part without a profiler.
 
 A case may carry its own settings after a bar, ``135m-lora-16x1024|attention=blocked,remat=none``
 (over ``--set``), ``layers=N`` cuts the shape to N blocks (a step's per-layer and fixed cost) and
-``grad_accum=N`` runs the step's batch as N micro-batches (TrainConfig.grad_accum):
+``grad_accum=N`` runs the step's batch as N micro-batches (TrainConfig.grad_accum; the backend's
+``micro_batch_tokens`` may split further, ``micro_batch_tokens=0`` turns that off):
 one process then compares variants against the same measured peak.
 
 A case that runs out of memory is recorded with its error and the run goes on. Prints a table and
@@ -187,7 +188,7 @@ def run_case(
     from needle.model.decoder.transformer import Transformer
     from needle.model.hf.random_model import shape_config
     from needle.train.run import build_state_from_params
-    from needle.train.step import train_step
+    from needle.train.step import count_micro_batches, train_step
 
     shape, mode, rows, seq = parse_case(case)
     overrides = dict(overrides or {})
@@ -199,11 +200,13 @@ def run_case(
         cfg = cut_layers(cfg, layers, case)
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)
+    micro = count_micro_batches(rows, seq, grad_accum, settings.micro_batch_tokens, jax.device_count())  # as train_step
     rec: dict[str, Any] = {"case": case, "shape": shape, "mode": mode, "rows": rows, "seq": seq, "n_layers": cfg.n_layers,
                            "settings": dataclasses.asdict(settings),
                            "grad_accum": grad_accum,
+                           "micro_batches": micro,
                            # the model resolves "auto" per micro-batch (its input's shape)
-                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq // grad_accum, trains_all=mode == "full")}  # fmt: skip
+                           "remat_resolved": resolve_remat(settings.remat, cfg, rows * seq // micro, trains_all=mode == "full")}  # fmt: skip
     try:
         counts = count_matmul_params(jax.eval_shape(lambda: lora_lib.init_params(cfg, lora_cfg, 0, settings)))
         # As needle.train.run.run_training: a LoRA run's frozen base in the compute dtype, blocks
@@ -255,12 +258,12 @@ def _step_after_prefill(dec: dict[str, Any]) -> float:
 def format_table(result: dict[str, Any]) -> str:
     """One line per case: compile, step, tokens/s, share of the peak, HBM."""
     lines = [f"{result['device_kind']} ({result['backend']}), bf16 peak {result['peak_tflops']:.1f} TFLOP/s",
-             f"{'case':<28} {'compile s':>9} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'HBM GB':>7}"]  # fmt: skip
+             f"{'case':<28} {'micro':>5} {'compile s':>9} {'step ms':>8} {'tok/s':>9} {'MFU':>6} {'HBM GB':>7}"]  # fmt: skip
     for r in result["cases"]:
         if "error" in r:
             lines.append(f"{r.get('variant', r['case']):<28} {r['error'][:90]}")
             continue
-        lines.append(f"{r.get('variant', r['case']):<28} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
+        lines.append(f"{r.get('variant', r['case']):<28} {r.get('micro_batches', 1):>5} {r['compile_s']:>9.1f} {r['step_s'] * 1e3:>8.1f} {r['tokens_per_s']:>9.0f} "
                      f"{r['mfu']:>6.1%} {r.get('hbm_gb') or 0:>7.2f}")  # fmt: skip
     dec = result.get("decode")
     if dec:

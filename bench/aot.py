@@ -157,7 +157,7 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
     from needle.train.run import build_state_from_params
-    from needle.train.step import train_step
+    from needle.train.step import count_micro_batches, train_step
 
     case, own = parse_variant(variant)
     shape, mode, rows, seq = parse_case(case)
@@ -181,7 +181,9 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
 
     sharding = SingleDeviceSharding(device)
     with patch_for_tpu(hbm_bytes):
-        rec["remat_resolved"] = resolve_remat(settings.remat, cfg, rows * seq, trains_all=mode == "full")
+        # the model resolves "auto" per micro-batch (its input's shape); one device here
+        rec["micro_batches"] = count_micro_batches(rows, seq, 1, settings.micro_batch_tokens)
+        rec["remat_resolved"] = resolve_remat(settings.remat, cfg, rows * seq // rec["micro_batches"], trains_all=mode == "full")
         state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), jax.eval_shape(build))
         batch = {k: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=sharding) for k, dtype in
                  [("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32), ("positions", jnp.int32),

@@ -254,6 +254,11 @@ class TrainConfig(_Strict):
         None, ge=0, description="tokens per chunk of the output layer and cross-entropy (0: full [B,T,V] logits); "
         "None: the backend's default"
     )
+    micro_batch_tokens: int | None = Field(
+        None, ge=0, description="split each step's batch (after grad_accum's split) in halves while a micro-batch "
+        "keeps at least this many tokens; the gradient is the same, summed in one step (0: off; None: the "
+        "backend's default, 4096 on a TPU)"
+    )
 
     @model_validator(mode="after")
     def _check_accum(self) -> "TrainConfig":

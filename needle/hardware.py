@@ -3,20 +3,21 @@
 ``probe()`` reports what JAX will run on (``jax.default_backend().lower()``: gpu, metal, tpu
 or cpu; ``JAX_PLATFORMS`` overrides). ``settings_for(backend)`` is the only place that maps a
 backend to compute dtype, fused attention, rematerialisation policy, attention path, loss
-chunking and layer-loop unrolling; ``with_overrides(settings, train_cfg)`` applies a run's
-``TrainConfig.remat`` / ``attention`` / ``loss_chunk`` over those defaults.
+chunking, micro-batching and layer-loop unrolling; ``with_overrides(settings, train_cfg)`` applies
+a run's ``TrainConfig.remat`` / ``attention`` / ``loss_chunk`` / ``micro_batch_tokens`` over those
+defaults.
 
 Defaults per backend (why: the CPU is memory- and bandwidth-bound on a 2-core, 24 GB box;
 accelerators have memory to spare for small models and want the fused kernels):
 
-=========  ==========================  =========  ==========  ===========================
-backend    remat                       attention  loss_chunk  layers
-=========  ==========================  =========  ==========  ===========================
-cpu        recompute                   blocked    256         scanned from 8 layers
-gpu/cuda   auto                        auto       1024        scanned
-tpu        auto                        auto       1024        scanned
-metal      none                        blocked    256         unrolled
-=========  ==========================  =========  ==========  ===========================
+=========  ==========================  =========  ==========  ===========  ===========================
+backend    remat                       attention  loss_chunk  micro-batch  layers
+=========  ==========================  =========  ==========  ===========  ===========================
+cpu        recompute                   blocked    256         off          scanned from 8 layers
+gpu/cuda   auto                        auto       1024        off          scanned
+tpu        auto                        auto       1024        4096 tokens  scanned
+metal      none                        blocked    256         off          unrolled
+=========  ==========================  =========  ==========  ===========  ===========================
 
 ``remat="none"``, ``attention="dense"`` and ``loss_chunk=0`` are the code paths before issue 20
 (no rematerialisation, full ``[B,H,T,T]`` scores, full ``[B,T,V]`` logits), kept selectable.
@@ -99,6 +100,9 @@ class BackendSettings:
     scan_layers: bool  # the blocks as one lax.scan over the layer pattern's period (False: unrolled loop)
     attention: str = "blocked"  # ATTENTION_PATHS
     loss_chunk: int = 256  # tokens per chunk of the output layer + cross-entropy; 0: full [B,T,V] logits
+    # the step halves its batch into micro-batches (gradients summed in one step, same result)
+    # while each would still hold at least this many tokens; 0: only TrainConfig.grad_accum's split
+    micro_batch_tokens: int = 0
     # dtype of the residual stream between blocks (what the backward pass keeps per layer): float32
     # on the CPU; bfloat16 on accelerators, where it halves the activations a long batch holds
     residual_dtype: str = "float32"
@@ -110,6 +114,8 @@ class BackendSettings:
             raise ValueError(f"attention {self.attention!r}; choose one of {list(ATTENTION_PATHS)}")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be >= 0, got {self.loss_chunk}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0, got {self.micro_batch_tokens}")
 
     @property
     def rematerialises(self) -> bool:
@@ -134,8 +140,14 @@ def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
                                attention="blocked", loss_chunk=256)  # fmt: skip
     if b in GPU_BACKENDS or b == "tpu":
         # Keep the projections' outputs where they fit (remat auto), else each block's input.
+        # A TPU v5e ran 16 x 1024 fastest in micro-batches of 2048-4096 tokens, where remat auto
+        # keeps more of each one (2026-12-07, bench/results/tpu-2026-12-07c): Qwen3-0.6B LoRA
+        # 721 / 580 / 532 / 518 / 542 ms a step in 1 / 2 / 4 / 8 / 16 micro-batches, its full
+        # fine-tuning 762 / 676 / 715 ms in 1 / 4 / 8, the 135M Llama shape's LoRA 201 / 177 ms
+        # in 1 / 4. A GPU keeps whole batches until measured.
         return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat="auto",
                                scan_layers=True, attention="auto", loss_chunk=1024,
+                               micro_batch_tokens=4096 if b == "tpu" else 0,
                                residual_dtype="bfloat16")  # fmt: skip
     # CPU and anything unknown: float32; keep only each block's input and recompute the block in
     # the backward pass (model/recompute.py: jax.checkpoint's policies do not hold on XLA's CPU
@@ -148,12 +160,12 @@ def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
 
 def with_overrides(settings: BackendSettings, train_cfg: Any = None, **overrides: Any) -> BackendSettings:
     """``settings`` with a run's choices: ``train_cfg.remat`` / ``.attention`` / ``.loss_chunk`` /
-    ``.scan_layers`` (None keeps the backend default), then explicit keyword overrides (``remat=``,
-    ``attention=``, ``loss_chunk=``, ``scan_layers=``; None keeps)."""
+    ``.scan_layers`` / ``.micro_batch_tokens`` (None keeps the backend default), then explicit
+    keyword overrides of the same names (None keeps)."""
     from dataclasses import replace
 
     picked: dict[str, Any] = {}
-    for key in ("remat", "attention", "loss_chunk", "scan_layers"):
+    for key in ("remat", "attention", "loss_chunk", "scan_layers", "micro_batch_tokens"):
         value = overrides.get(key)
         if value is None and train_cfg is not None:
             value = getattr(train_cfg, key, None)
@@ -217,7 +229,9 @@ def format_probe(info: dict[str, Any]) -> str:
     lines.append(
         f"Settings: compute {s['compute_dtype']}, params {s['param_dtype']}, "
         f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat']}, "
-        f"attention {s['attention']}, loss chunk {s['loss_chunk'] or 'off'}"
+        f"attention {s['attention']}, loss chunk {s['loss_chunk'] or 'off'}, "
+        f"micro-batches of {s.get('micro_batch_tokens') or 'the whole batch'}"
+        + (" tokens" if s.get("micro_batch_tokens") else "")
     )
     if info["backend"] in GPU_BACKENDS:
         lines.append("GPU acceleration enabled for fine-tuning")

@@ -184,17 +184,42 @@ def _split_micro(x: jax.Array, accum: int) -> jax.Array:
     return jnp.swapaxes(x.reshape(b // accum, accum, *x.shape[1:]), 0, 1)
 
 
+def count_micro_batches(rows: int, seq: int, grad_accum: int, min_tokens: int, shards: int = 1) -> int:
+    """Micro-batches of a ``rows x seq`` step: ``grad_accum``, doubled while each micro-batch would
+    still hold at least ``min_tokens`` tokens (0: never) and a whole multiple of ``shards`` rows."""
+    accum = grad_accum
+    while min_tokens and rows % (2 * accum) == 0:
+        half = rows // (2 * accum)
+        if half * seq < min_tokens or half % shards:
+            break
+        accum *= 2
+    return accum
+
+
+def micro_batches_of(state: TrainState, batch: Batch) -> int:
+    """How many micro-batches ``train_step`` runs ``batch`` in: ``state.grad_accum``, split further
+    by the model's ``settings.micro_batch_tokens`` (a batch already in micro-batches stays so)."""
+    if batch["inputs"].ndim != 2:
+        return batch["inputs"].shape[0]
+    model = getattr(state.apply_fn, "model", None)
+    min_tokens = int(getattr(getattr(model, "settings", None), "micro_batch_tokens", 0) or 0)
+    rows, seq = batch["inputs"].shape
+    # Micro-batch rows stay a multiple of the devices, so no micro-batch leaves a device idle.
+    return count_micro_batches(rows, seq, state.grad_accum, min_tokens, jax.device_count())
+
+
 def _sum_grads(state: TrainState, batch: Batch) -> tuple[jax.Array, jax.Array, PyTree]:
     """Loss sum, token count and gradient of the loss sum, accumulated over micro-batches."""
     grad_fn = jax.value_and_grad(
         lambda tr, fr, b: _loss_sum(state.apply_fn, tr, fr, b), argnums=0, has_aux=True
     )
     frozen = jax.lax.stop_gradient(state.frozen)
-    if state.grad_accum == 1 and batch["inputs"].ndim == 2:
+    accum = micro_batches_of(state, batch)
+    if accum == 1 and batch["inputs"].ndim == 2:
         (loss_sum, tokens), grads = grad_fn(state.trainable, frozen, batch)
         return loss_sum, tokens, grads
     # A batch may already carry a leading micro-batch axis [A, B/A, T]; else split [B, T].
-    micro = batch if batch["inputs"].ndim == 3 else {k: _split_micro(v, state.grad_accum) for k, v in batch.items()}
+    micro = batch if batch["inputs"].ndim == 3 else {k: _split_micro(v, accum) for k, v in batch.items()}
 
     def accumulate(carry: tuple[jax.Array, jax.Array, PyTree], mb: Batch):
         loss_acc, tok_acc, grad_acc = carry

@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from train_helpers import make_plan, make_state
+from train_helpers import LORA, make_plan, make_state, tiny_model_cfg
 
 from needle.config import OptimConfig
-from needle.train.step import decay_mask, eval_step, loss_and_grads, make_schedule, train_step
+from needle.train.step import (
+    count_micro_batches, decay_mask, eval_step, loss_and_grads, make_schedule, micro_batches_of, train_step,
+)  # fmt: skip
 
 step_fn = jax.jit(train_step)  # not donated: the tests compare before and after
 
@@ -74,6 +76,38 @@ def test_grad_accumulation_equals_one_big_batch() -> None:
     np.testing.assert_allclose(float(loss3), float(loss1), rtol=1e-5)
     for a, b in zip(leaves(grads1), leaves(grads3)):
         np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_count_micro_batches_halves_while_a_micro_batch_keeps_the_tokens() -> None:
+    assert count_micro_batches(16, 1024, 1, 4096) == 4  # 4 rows of 1024 tokens each
+    assert count_micro_batches(16, 2048, 1, 4096) == 8
+    assert count_micro_batches(16, 1024, 2, 4096) == 4  # grad_accum's split first, then halves
+    assert count_micro_batches(16, 1024, 8, 4096) == 8  # already below the target: kept
+    assert count_micro_batches(16, 1024, 1, 0) == 1  # off
+    assert count_micro_batches(6, 1024, 1, 1024) == 2  # 3 rows do not halve
+    assert count_micro_batches(16, 1024, 1, 1024, shards=8) == 2  # rows stay a multiple of the devices
+
+
+def test_backend_micro_batches_equal_one_big_batch() -> None:
+    """settings.micro_batch_tokens (a TPU's default) splits the step's batch; the gradient stays the batch's."""
+    import dataclasses
+
+    from needle.hardware import settings_for
+    from needle.model.decoder.transformer import Transformer
+    from needle.train.run import make_apply_fn
+
+    batch = make_plan(batch_size=4).batch(0)
+    rows, seq = batch["inputs"].shape
+    whole = make_state("lora")
+    settings = dataclasses.replace(settings_for("cpu"), micro_batch_tokens=seq)  # one row a micro-batch
+    split = whole.replace(apply_fn=make_apply_fn(Transformer(tiny_model_cfg(), LORA, settings)))
+    assert micro_batches_of(whole, batch) == 1 and micro_batches_of(split, batch) == rows
+    loss1, tokens1, grads1 = jax.jit(loss_and_grads)(whole, batch)
+    loss2, tokens2, grads2 = jax.jit(loss_and_grads)(split, batch)
+    assert float(tokens1) == float(tokens2)
+    np.testing.assert_allclose(float(loss2), float(loss1), rtol=1e-5)
+    for a, b in zip(leaves(grads1), leaves(grads2)):
+        np.testing.assert_allclose(b, a, atol=1e-6)
 
 
 def test_finite_flag_is_false_once_the_update_makes_the_state_nan() -> None:
