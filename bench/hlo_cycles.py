@@ -7,7 +7,7 @@ A ``while`` counts its body times its trip count and its condition once more: XL
 operand tuple, the condition's ``compare(iv, constant)``, plain or fused, the body's ``add(iv,
 constant)``), else ``--dynamic-trip`` iterations (a data-dependent bound: tiled attention's
 key-tile loops). A ``conditional`` counts one branch, every branch's cost noted: the last
-(``lax.cond``'s true branch, which needle's chunked loss takes whenever a chunk holds loss tokens)
+(``lax.cond``'s true branch, which needle's chunked loss takes on the CPU whenever a chunk holds loss tokens)
 or ``--branch max``. ``call`` and ``async-start`` count what they call; a fusion its own estimate.
 Instructions without one (Pallas/Mosaic ``tpu_custom_call`` kernels such as splash attention,
 async copies, scalar bookkeeping) count 0 and are listed with how often they run; ``--custom-call-us

@@ -176,7 +176,7 @@ def with_overrides(settings: BackendSettings, train_cfg: Any = None, **overrides
 
 def old_paths(settings: BackendSettings) -> BackendSettings:
     """The code paths before issue 20 on this backend: no remat, dense attention, full logits."""
-    return with_overrides(settings, remat="none", attention="dense", loss_chunk=0)
+    return with_overrides(settings, remat="none", attention="dense", loss_chunk=0, micro_batch_tokens=0)
 
 
 def probe() -> dict[str, Any]:

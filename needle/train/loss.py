@@ -117,6 +117,9 @@ def _fused_fwd(logits_fn: Callable[[Any, jax.Array], jax.Array], skip_empty: boo
     acc_head = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), head) if trains_head else None
 
     def grads(hc: jax.Array, yc: jax.Array, mc: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+        # Masked tokens' states zeroed first: a non-finite one would reach the head's gradient
+        # (0 x NaN in hᵀ·dlogits) and, through a soft cap's tanh, its own, unless the chunk is skipped.
+        hc = jnp.where((mc != 0)[:, None], hc, jnp.zeros((), hc.dtype))
         if trains_head:
             logits, pull = jax.vjp(lambda w, x: logits_fn(w, x).astype(jnp.float32), head, hc)
         else:

@@ -54,7 +54,7 @@ Plan = BatchPlan | PackedPlan
 # between a run and its resume does not change the trajectory, so they are not compared.
 # How a run computes, not what: changing them between a crash and its retry still resumes.
 _CADENCE_FIELDS = {"log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "compilation_cache_dir",
-                   "remat", "attention", "loss_chunk"}  # fmt: skip
+                   "remat", "attention", "loss_chunk", "micro_batch_tokens"}  # fmt: skip
 
 
 @dataclass(frozen=True)

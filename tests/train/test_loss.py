@@ -65,6 +65,25 @@ def test_chunked_loss_and_grad_equal_dense(kind, packed):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["untied", "softcap"])
+def test_accelerator_chunked_loss_and_grad_equal_dense(kind):
+    """An accelerator's settings (no chunk skipped) through the model, the head trained too."""
+    cfg = _cfg(kind)
+    model = Transformer(cfg, None, dataclasses.replace(CPU, backend="tpu", remat="none", attention="dense"))
+    params = lora_lib.init_params(cfg, None, 0)
+    batch = _batch(packed=True)
+
+    def loss(p, chunk):
+        total, n = model_loss_sum(model, {"params": p}, batch, chunk)
+        return total / n
+
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (ref, gref), (val, got) = grad(params, 0), grad(params, 5)
+    np.testing.assert_allclose(float(val), float(ref), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(gref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+
+
 @pytest.mark.parametrize("skip_empty", [True, False])
 def test_chunked_loss_sum_raw_function(skip_empty):
     rng = np.random.default_rng(1)
