@@ -100,25 +100,15 @@ def test_logits_of_a_hidden_chunk() -> None:
 def test_chunked_loss_and_grads_equal_dense() -> None:
     """needle/train/loss.py's fused chunked loss through Needle 3's tied head (``head_names``, the
     out_vocab-cut table): loss and every gradient, the head's included, equal the dense path's."""
-    from needle.train.loss import model_loss_sum
+    from loss_checks import assert_chunked_equals_dense
 
     params, _, ref = fixture("plain")
-    model = model_of("plain")
     tokens = jnp.asarray(ref["tokens"])
     rng = np.random.default_rng(0)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:] % 48,  # out_vocab 48
              "mask": jnp.asarray(rng.random(tokens[:, 1:].shape) > 0.3, jnp.float32)}  # fmt: skip
-
-    def loss(p, chunk):
-        total, n = model_loss_sum(model, {"params": p}, batch, chunk)
-        return total / n
-
-    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    (ref_loss, ref_grads), (got_loss, got_grads) = grad(params, 0), grad(params, 5)
-    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
-    assert float(jnp.abs(got_grads["embedding"]["embedding"]).max()) > 0
-    for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(got_grads)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    grads = assert_chunked_equals_dense(model_of("plain"), params, batch, (5,))
+    assert float(jnp.abs(grads["embedding"]["embedding"]).max()) > 0
 
 
 def _with_lora(params: dict, lora_path: Path, rank: int) -> dict:

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from loss_checks import assert_chunked_equals_dense
 
 from needle.config import LoraConfig, model_preset
 from needle.hardware import settings_for
 from needle.model import lora as lora_lib
 from needle.model.decoder.transformer import Transformer, init_cache
-from needle.train.loss import chunked_loss_sum, dense_loss_sum, model_loss_sum
+from needle.train.loss import chunked_loss_sum, dense_loss_sum
 
 CPU = settings_for("cpu")
 
@@ -52,17 +53,8 @@ def test_chunked_loss_and_grad_equal_dense(kind, packed):
     # Non-zero adapters so their gradient is not trivially tied to the base's.
     params = jax.tree.map(lambda x: x + 0.01, params)
     batch = _batch(packed=packed)
-
-    def loss(p, chunk):
-        total, n = model_loss_sum(model, {"params": p}, batch, chunk)
-        return total / n
-
-    ref, gref = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 0)
-    for chunk in (5, 8, 22, 1000):  # ragged last chunk, several chunks, one exact chunk, one big
-        val, grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, chunk)
-        np.testing.assert_allclose(float(val), float(ref), rtol=1e-5, atol=1e-5)
-        for a, b in zip(jax.tree.leaves(gref), jax.tree.leaves(grad)):
-            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    # ragged last chunk, several chunks, one exact chunk, one big
+    assert_chunked_equals_dense(model, params, batch, (5, 8, 22, 1000))
 
 
 @pytest.mark.parametrize("kind", ["untied", "softcap"])
@@ -71,17 +63,7 @@ def test_accelerator_chunked_loss_and_grad_equal_dense(kind):
     cfg = _cfg(kind)
     model = Transformer(cfg, None, dataclasses.replace(CPU, backend="tpu", remat="none", attention="dense"))
     params = lora_lib.init_params(cfg, None, 0)
-    batch = _batch(packed=True)
-
-    def loss(p, chunk):
-        total, n = model_loss_sum(model, {"params": p}, batch, chunk)
-        return total / n
-
-    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    (ref, gref), (val, got) = grad(params, 0), grad(params, 5)
-    np.testing.assert_allclose(float(val), float(ref), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(gref), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    assert_chunked_equals_dense(model, params, _batch(packed=True), (5,))
 
 
 @pytest.mark.parametrize("skip_empty", [True, False])
