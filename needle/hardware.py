@@ -103,6 +103,11 @@ class BackendSettings:
     # the step halves its batch into micro-batches (gradients summed in one step, same result)
     # while each would still hold at least this many tokens; 0: only TrainConfig.grad_accum's split
     micro_batch_tokens: int = 0
+    # the chunked loss skips a chunk without loss tokens (a conditional per chunk): on the CPU
+    # prompt-only chunks of 256 are common; on an accelerator a 1024-token chunk of packed rows
+    # nearly always holds answer tokens, and the conditional copied the head's [V, D] gradient
+    # through each chunk (Qwen3-0.6B full on a TPU v5e, 2026-12-07)
+    loss_skip_empty: bool = True
     # dtype of the residual stream between blocks (what the backward pass keeps per layer): float32
     # on the CPU; bfloat16 on accelerators, where it halves the activations a long batch holds
     residual_dtype: str = "float32"
@@ -147,7 +152,7 @@ def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
         # in 1 / 4. A GPU keeps whole batches until measured.
         return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat="auto",
                                scan_layers=True, attention="auto", loss_chunk=1024,
-                               micro_batch_tokens=4096 if b == "tpu" else 0,
+                               micro_batch_tokens=4096 if b == "tpu" else 0, loss_skip_empty=False,
                                residual_dtype="bfloat16")  # fmt: skip
     # CPU and anything unknown: float32; keep only each block's input and recompute the block in
     # the backward pass (model/recompute.py: jax.checkpoint's policies do not hold on XLA's CPU
@@ -226,12 +231,12 @@ def format_probe(info: dict[str, Any]) -> str:
     for d in info["devices"]:
         lines.append(f"  [{d['id']}] {d['platform']}: {d['device_kind']}")
     s = info["settings"]
+    micro = f"of >= {s['micro_batch_tokens']} tokens" if s["micro_batch_tokens"] else "off"
     lines.append(
         f"Settings: compute {s['compute_dtype']}, params {s['param_dtype']}, "
         f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat']}, "
         f"attention {s['attention']}, loss chunk {s['loss_chunk'] or 'off'}, "
-        f"micro-batches of {s.get('micro_batch_tokens') or 'the whole batch'}"
-        + (" tokens" if s.get("micro_batch_tokens") else "")
+        f"micro-batches {micro}"
     )
     if info["backend"] in GPU_BACKENDS:
         lines.append("GPU acceleration enabled for fine-tuning")

@@ -37,6 +37,9 @@ def test_settings_per_backend(backend, dtype, fused, unrolled):
     assert s.scan_layers is (not unrolled)
     if backend == "metal":
         assert s.rematerialises is False
+    # Accelerators run every loss chunk (no per-chunk conditional); only a TPU splits batches.
+    assert s.loss_skip_empty is (dtype == "float32")
+    assert s.micro_batch_tokens == (4096 if backend == "tpu" else 0)
 
 
 def test_gpu_report_line():

@@ -177,8 +177,5 @@ def model_loss_sum(
     head = {k: params[k] for k in names if k in params}
     rest = {k: v for k, v in variables.items() if k != "params"}
     logits_fn = lambda w, h: model.apply({**rest, "params": w}, h, method="logits")  # noqa: E731
-    # The CPU skips chunks without loss tokens (prompt-only chunks of 256 are common there); on an
-    # accelerator a 1024-token chunk of packed rows nearly always holds answer tokens, and the
-    # conditional would copy the head's [V, D] gradient through each chunk.
-    skip = getattr(getattr(model, "settings", None), "backend", "cpu") == "cpu"
+    skip = getattr(getattr(model, "settings", None), "loss_skip_empty", True)  # no settings: the CPU's
     return chunked_loss_sum(logits_fn, head, hidden, batch["targets"], batch["mask"], chunk, skip_empty=skip)

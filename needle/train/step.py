@@ -34,7 +34,7 @@ import optax
 from flax import struct
 
 from needle.config import OptimConfig
-from needle.hardware import settings_for
+from needle.hardware import BackendSettings, settings_for
 from needle.model import lora as lora_lib
 from needle.train.loss import dense_loss_sum, model_loss_sum
 
@@ -161,15 +161,19 @@ def _loss_sum(apply_fn: ApplyFn, trainable: PyTree, frozen: PyTree, batch: Batch
     return dense_loss_sum(logits, batch["targets"], batch["mask"])
 
 
-def loss_chunk_of(apply_fn: ApplyFn) -> int:
-    """Tokens per loss chunk of ``apply_fn``'s model (0: dense logits, also for a bare function)."""
+def _settings_of(apply_fn: ApplyFn) -> BackendSettings | None:
+    """The backend settings of ``apply_fn``'s model (a model without its own: the CPU's), None for
+    a bare function."""
     model = getattr(apply_fn, "model", None)
     if model is None:
-        return 0
-    settings = getattr(model, "settings", None)
-    if settings is None:
-        settings = settings_for("cpu")
-    return int(getattr(settings, "loss_chunk", 0) or 0)
+        return None
+    return getattr(model, "settings", None) or settings_for("cpu")
+
+
+def loss_chunk_of(apply_fn: ApplyFn) -> int:
+    """Tokens per loss chunk of ``apply_fn``'s model (0: dense logits, also for a bare function)."""
+    settings = _settings_of(apply_fn)
+    return 0 if settings is None else settings.loss_chunk
 
 
 def _split_micro(x: jax.Array, accum: int) -> jax.Array:
@@ -201,8 +205,8 @@ def micro_batches_of(state: TrainState, batch: Batch) -> int:
     by the model's ``settings.micro_batch_tokens`` (a batch already in micro-batches stays so)."""
     if batch["inputs"].ndim != 2:
         return batch["inputs"].shape[0]
-    model = getattr(state.apply_fn, "model", None)
-    min_tokens = int(getattr(getattr(model, "settings", None), "micro_batch_tokens", 0) or 0)
+    settings = _settings_of(state.apply_fn)
+    min_tokens = 0 if settings is None else settings.micro_batch_tokens
     rows, seq = batch["inputs"].shape
     # Micro-batch rows stay a multiple of the devices, so no micro-batch leaves a device idle.
     return count_micro_batches(rows, seq, state.grad_accum, min_tokens, jax.device_count())
