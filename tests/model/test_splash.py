@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from needle.model.decoder.attention import blocked_attention
+from needle.model.decoder.scan import lookup_checkpoint_policy
 from needle.model.decoder.splash import _kernel, splash_attention, splash_supported
 
 # float32: the kernel's online softmax and the reference's exact one differ only in rounding
@@ -186,3 +187,17 @@ def test_a_model_asking_for_splash_initialises_and_equals_blocked():
     out = Transformer(cfg, settings=splash).apply({"params": params}, tokens)
     ref = Transformer(cfg, settings=blocked).apply({"params": params}, tokens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_projections_policy_keeps_the_kernel_residuals(capsys):
+    """Under remat "projections_saveable" the backward pass reuses the forward kernel's output and
+    log-sum-exp (the checkpoint name splash.py gives them) instead of running the kernel again;
+    "nothing_saveable" keeps only the inputs."""
+    q, k, v = _qkv(b=1, t=128, h=2, kv=2)
+    kept = {}
+    for policy in ("projections_saveable", "nothing_saveable"):
+        f = jax.checkpoint(lambda q, k, v: splash_attention(q, k, v, interpret=True).sum(),
+                           policy=lookup_checkpoint_policy(policy))  # fmt: skip
+        jax.ad_checkpoint.print_saved_residuals(f, q, k, v)
+        kept[policy] = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "_splash_attention" in line]
+    assert kept == {"projections_saveable": ["f32[1,2,128,64]", "f32[1,2,128]"], "nothing_saveable": []}

@@ -45,6 +45,10 @@ from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from needle.model.decoder.attention import check_self_attention
 
 _LANES = 128  # the kernel's tile width: T and every block size must be a multiple of it
+# The checkpoint name of the kernel's forward residuals (its output and log-sum-exp): remat
+# "projections_saveable" keeps them (needle/model/decoder/scan.py), so the backward pass does not
+# run the forward kernel again.
+SPLASH_RESIDUALS = "splash_residuals"
 
 
 def splash_supported(t: int, head_dim: int) -> bool:
@@ -87,7 +91,7 @@ def _kernel(
     with jax.ensure_compile_time_eval():
         return sa.make_splash_mha(
             mask, block_sizes=sizes, attn_logits_soft_cap=softcap, head_shards=1, q_seq_shards=1,
-            interpret=interpret,
+            residual_checkpoint_name=SPLASH_RESIDUALS, interpret=interpret,
         )  # fmt: skip
 
 
