@@ -195,7 +195,7 @@ def run_case(
     layers = overrides.pop("layers", None)
     grad_accum = int(overrides.pop("grad_accum", 1))  # the batch in that many micro-batches (one step)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
-    settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers), **overrides)
+    settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers, cfg.head_dim), **overrides)
     if layers is not None:  # after settings_for: the whole shape's settings, fewer blocks
         cfg = cut_layers(cfg, layers, case)
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None

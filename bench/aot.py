@@ -164,7 +164,7 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     overrides = {**overrides, **own}
     layers = overrides.pop("layers", None)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
-    settings = dataclasses.replace(settings_for("tpu", cfg.n_layers), **overrides)
+    settings = dataclasses.replace(settings_for("tpu", cfg.n_layers, cfg.head_dim), **overrides)
     if layers is not None:  # after settings_for: the whole shape's settings, fewer blocks
         cfg = cut_layers(cfg, layers, case)
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None

@@ -78,7 +78,7 @@ def _model(shape: str, path: str, lora: bool, n_layers: int | None = None) -> tu
     from needle.model.decoder.transformer import Transformer
 
     cfg = hf_config_to_model_config(shape_config(shape), max_len=1024)
-    settings = settings_for(jax.default_backend(), cfg.n_layers)  # as run_training picks them
+    settings = settings_for(jax.default_backend(), cfg.n_layers, cfg.head_dim)  # as run_training picks them
     if n_layers is not None:  # the shape with fewer blocks, the same program: what a step costs per layer
         if len(set(cfg.resolved_layer_types())) > 1 or n_layers < 1:
             raise ValueError(f"{shape}: n_layers={n_layers} needs a shape of one layer kind and n_layers >= 1")

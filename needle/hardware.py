@@ -19,6 +19,9 @@ tpu        auto                        auto       1024        4096 tokens  scann
 metal      none                        blocked    256         off          unrolled
 =========  ==========================  =========  ==========  ===========  ===========================
 
+A TPU's micro-batches keep 8192 tokens where the model's heads are narrower than 128 (they take
+the tiled attention path, not splash).
+
 ``remat="none"``, ``attention="dense"`` and ``loss_chunk=0`` are the code paths before issue 20
 (no rematerialisation, full ``[B,H,T,T]`` scores, full ``[B,T,V]`` logits), kept selectable.
 
@@ -135,9 +138,27 @@ class BackendSettings:
 CPU_SCAN_MIN_LAYERS = 8
 
 
-def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
+# "auto" attention on a TPU takes the splash kernel for heads at least this wide, else the tiled
+# XLA path (needle/model/decoder/block.py Attention._splash).
+SPLASH_MIN_HEAD_DIM = 128
+
+
+def _tpu_micro_batch_tokens(head_dim: int | None) -> int:
+    """The least tokens a TPU micro-batch keeps: 4096 for splash-width heads, 8192 for narrower ones.
+
+    On a TPU v5e at 16 x 1024 (2026-12-07, bench/results/tpu-2026-12-07c and -07d): Qwen3-0.6B
+    (head_dim 128, splash) LoRA ran 721 / 580 / 504 / 494 ms a step in 1 / 2 / 4 / 8 micro-batches
+    (in 2 remat auto no longer keeps every projection), its full fine-tuning 762 / 647 / 715 ms in
+    1 / 4 / 8; the 135M Llama shape (head_dim 64, the tiled path, whose key-tile loops run once per
+    micro-batch) LoRA 201 / 169 / 177 / 196 ms in 1 / 2 / 4 / 8, full 186 / 181 / 198 ms in 1 / 2 / 4.
+    """
+    return 8192 if head_dim is not None and head_dim < SPLASH_MIN_HEAD_DIM else 4096
+
+
+def settings_for(backend: str, n_layers: int | None = None, head_dim: int | None = None) -> BackendSettings:
     """Return the compute settings for a backend name as reported by the probe; with the model's
-    ``n_layers``, a CPU scans the layers of a model of ``CPU_SCAN_MIN_LAYERS`` or more."""
+    ``n_layers``, a CPU scans the layers of a model of ``CPU_SCAN_MIN_LAYERS`` or more; with its
+    ``head_dim``, a TPU sizes micro-batches for the attention path the heads take."""
     b = backend.lower()
     if b == "metal":
         # The Metal plugin lacks fused attention and handles remat and scanned loops poorly.
@@ -145,14 +166,11 @@ def settings_for(backend: str, n_layers: int | None = None) -> BackendSettings:
                                attention="blocked", loss_chunk=256)  # fmt: skip
     if b in GPU_BACKENDS or b == "tpu":
         # Keep the projections' outputs where they fit (remat auto), else each block's input.
-        # A TPU v5e ran 16 x 1024 fastest in micro-batches of 2048-4096 tokens, where remat auto
-        # keeps more of each one (2026-12-07, bench/results/tpu-2026-12-07c): Qwen3-0.6B LoRA
-        # 721 / 580 / 532 / 518 / 542 ms a step in 1 / 2 / 4 / 8 / 16 micro-batches, its full
-        # fine-tuning 762 / 676 / 715 ms in 1 / 4 / 8, the 135M Llama shape's LoRA 201 / 177 ms
-        # in 1 / 4. A GPU keeps whole batches until measured.
+        # A GPU keeps whole batches until measured; a TPU micro-batches (_tpu_micro_batch_tokens).
+        micro = _tpu_micro_batch_tokens(head_dim) if b == "tpu" else 0
         return BackendSettings(b, "bfloat16", "float32", fused_attention=True, remat="auto",
                                scan_layers=True, attention="auto", loss_chunk=1024,
-                               micro_batch_tokens=4096 if b == "tpu" else 0, loss_skip_empty=False,
+                               micro_batch_tokens=micro, loss_skip_empty=False,
                                residual_dtype="bfloat16")  # fmt: skip
     # CPU and anything unknown: float32; keep only each block's input and recompute the block in
     # the backward pass (model/recompute.py: jax.checkpoint's policies do not hold on XLA's CPU

@@ -42,6 +42,16 @@ def test_settings_per_backend(backend, dtype, fused, unrolled):
     assert s.micro_batch_tokens == (4096 if backend == "tpu" else 0)
 
 
+def test_tpu_micro_batches_by_head_width():
+    """Heads narrower than splash's 128 lanes (the tiled attention path) keep 8192-token micro-batches
+    on a TPU, 128 and wider 4096; other backends keep whole batches at any width."""
+    assert settings_for("tpu", 30, head_dim=64).micro_batch_tokens == 8192
+    assert settings_for("tpu", 28, head_dim=128).micro_batch_tokens == 4096
+    assert settings_for("tpu", 18, head_dim=256).micro_batch_tokens == 4096
+    assert settings_for("gpu", 30, head_dim=64).micro_batch_tokens == 0
+    assert settings_for("cpu", 30, head_dim=64).micro_batch_tokens == 0
+
+
 def test_gpu_report_line():
     info = probe()
     info = {**info, "backend": "gpu", "accelerated": True,

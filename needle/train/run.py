@@ -325,7 +325,7 @@ def run_training(
     out.mkdir(parents=True, exist_ok=True)
     # Only process 0 reports (several processes run one program: needle/train/distributed.py).
     tracker = tracker if tracker is not None and is_primary() else NoopTracker()
-    settings = with_overrides(settings or settings_for(jax.default_backend(), model_cfg.n_layers), train_cfg)
+    settings = with_overrides(settings or settings_for(jax.default_backend(), model_cfg.n_layers, getattr(model_cfg, "head_dim", None)), train_cfg)
     enable_compilation_cache(train_cfg.compilation_cache_dir)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")

@@ -21,14 +21,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from needle.config import LoraConfig, ModelConfig
-from needle.hardware import GPU_BACKENDS, BackendSettings
+from needle.hardware import GPU_BACKENDS, SPLASH_MIN_HEAD_DIM, BackendSettings
 from needle.model.decoder.attention import blocked_attention, softcapped_attention
 from needle.model.decoder.layers import LoraDense, RMSNorm
 from needle.model.decoder.scan import lookup_checkpoint_policy
 from needle.model.decoder.splash import splash_attention, splash_supported
-
-# "auto" attention on a TPU takes splash for heads at least this wide, else the blocked path (Attention._splash).
-SPLASH_MIN_HEAD_DIM = 128
 
 # Short names of the projections as LoraConfig.targets spells them.
 _TARGET_OF = {
