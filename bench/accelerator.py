@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from needle.config import LoraConfig, OptimConfig
-from needle.hardware import prepare_platform_env, settings_for
+from needle.hardware import prepare_platform_env, settings_for_model
 from needle.model.hf.config import hf_config_to_model_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,8 +195,8 @@ def run_case(
     layers = overrides.pop("layers", None)
     grad_accum = int(overrides.pop("grad_accum", 1))  # the batch in that many micro-batches (one step)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
-    settings = dataclasses.replace(settings_for(jax.default_backend(), cfg.n_layers, cfg.head_dim), **overrides)
-    if layers is not None:  # after settings_for: the whole shape's settings, fewer blocks
+    settings = dataclasses.replace(settings_for_model(jax.default_backend(), cfg), **overrides)
+    if layers is not None:  # after settings_for_model: the whole shape's settings, fewer blocks
         cfg = cut_layers(cfg, layers, case)
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)

@@ -2,7 +2,7 @@
 
 libtpu describes a TPU topology (``v5e:1x1``: one v5e chip) and compiles for one of its chips on
 any x86-64 Linux host; nothing runs. This builds bench/accelerator.py ``run_case``'s program (its
-case syntax and settings: ``settings_for("tpu", n_layers)``, LoRA rank 16, blocks stacked, a LoRA
+case syntax and settings: ``settings_for_model("tpu", cfg)``, LoRA rank 16, blocks stacked, a LoRA
 run's frozen base in the compute dtype, ``jit(train_step, donate_argnums=0)``) on abstract
 inputs, and writes
 
@@ -150,7 +150,7 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     # lazy: the model code imports jax, which loads after get_topology_devices has set TPU_ENV
     from bench.flops import count_matmul_params
     from needle.config import LoraConfig, OptimConfig
-    from needle.hardware import settings_for
+    from needle.hardware import settings_for_model
     from needle.model import lora as lora_lib
     from needle.model.decoder.scan import resolve_remat
     from needle.model.decoder.transformer import Transformer
@@ -164,8 +164,8 @@ def compile_case(variant: str, overrides: dict[str, Any], device: Any, hbm_bytes
     overrides = {**overrides, **own}
     layers = overrides.pop("layers", None)
     cfg = hf_config_to_model_config(shape_config(shape), max_len=seq)
-    settings = dataclasses.replace(settings_for("tpu", cfg.n_layers, cfg.head_dim), **overrides)
-    if layers is not None:  # after settings_for: the whole shape's settings, fewer blocks
+    settings = dataclasses.replace(settings_for_model("tpu", cfg), **overrides)
+    if layers is not None:  # after settings_for_model: the whole shape's settings, fewer blocks
         cfg = cut_layers(cfg, layers, case)
     lora_cfg = LoraConfig(rank=16) if mode == "lora" else None
     model = Transformer(cfg, lora_cfg, settings)

@@ -72,13 +72,13 @@ def _model(shape: str, path: str, lora: bool, n_layers: int | None = None) -> tu
 
     # lazy: jax loads after main() sets JAX_PLATFORMS, the model code after RssWatch takes the start RSS
     from needle.config import LoraConfig
-    from needle.hardware import old_paths, settings_for, with_overrides
+    from needle.hardware import old_paths, settings_for_model, with_overrides
     from needle.model.hf.config import hf_config_to_model_config
     from needle.model.hf.random_model import shape_config
     from needle.model.decoder.transformer import Transformer
 
     cfg = hf_config_to_model_config(shape_config(shape), max_len=1024)
-    settings = settings_for(jax.default_backend(), cfg.n_layers, cfg.head_dim)  # as run_training picks them
+    settings = settings_for_model(jax.default_backend(), cfg)  # as run_training picks them
     if n_layers is not None:  # the shape with fewer blocks, the same program: what a step costs per layer
         if len(set(cfg.resolved_layer_types())) > 1 or n_layers < 1:
             raise ValueError(f"{shape}: n_layers={n_layers} needs a shape of one layer kind and n_layers >= 1")

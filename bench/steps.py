@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from needle.config import LoraConfig, OptimConfig, TrainConfig, model_preset
-from needle.hardware import settings_for, with_overrides
+from needle.hardware import settings_for_model, with_overrides
 from needle.model.lora import count_params
 from needle.train.run import build_state as run_build_state
 from needle.train.run import make_plans
@@ -48,7 +48,7 @@ def build_state(preset: str, mode: str, tok: Any, steps: int, batch_size: int, l
     """A fresh ``TrainState`` for ``preset`` in ``mode`` on a random-init base; returns (state, model_cfg)."""
     train_cfg = TrainConfig(mode=mode, steps=steps, batch_size=batch_size, compilation_cache_dir=None)
     model_cfg = model_preset(preset)
-    settings = with_overrides(settings_for(jax.default_backend(), model_cfg.n_layers, getattr(model_cfg, "head_dim", None)), train_cfg)  # as run_training does
+    settings = with_overrides(settings_for_model(jax.default_backend(), model_cfg), train_cfg)  # as run_training does
     lora_cfg = LoraConfig(rank=lora_rank) if mode == "lora" else None
     base_dir = ensure_base(preset, tok) if mode in ("lora", "full") else None
     state, _ = run_build_state(model_cfg, train_cfg, OptimConfig(), lora_cfg, base_dir, settings)

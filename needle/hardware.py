@@ -19,8 +19,8 @@ tpu        auto                        auto       1024        4096 tokens  scann
 metal      none                        blocked    256         off          unrolled
 =========  ==========================  =========  ==========  ===========  ===========================
 
-A TPU's micro-batches keep 8192 tokens where the model's heads are narrower than 128 (they take
-the tiled attention path, not splash).
+A TPU's micro-batches keep 8192 tokens where a decoder's heads are narrower than 128 (they take
+the tiled attention path, not splash; ``settings_for_model``); Needle 3 keeps 4096.
 
 ``remat="none"``, ``attention="dense"`` and ``loss_chunk=0`` are the code paths before issue 20
 (no rematerialisation, full ``[B,H,T,T]`` scores, full ``[B,T,V]`` logits), kept selectable.
@@ -152,6 +152,8 @@ def _tpu_micro_batch_tokens(head_dim: int | None) -> int:
     1 / 4 / 8; the 135M Llama shape (head_dim 64, the tiled path, whose key-tile loops run once per
     micro-batch) LoRA 201 / 169 / 177 / 196 ms in 1 / 2 / 4 / 8, full 186 / 181 / 198 ms in 1 / 2 / 4.
     """
+    # By width, not by the path a batch takes: a sequence that is not a multiple of 128, or an
+    # attention path a run forces (TrainConfig.attention), takes tiled or splash regardless.
     return 8192 if head_dim is not None and head_dim < SPLASH_MIN_HEAD_DIM else 4096
 
 
@@ -179,6 +181,13 @@ def settings_for(backend: str, n_layers: int | None = None, head_dim: int | None
     return BackendSettings(b, "float32", "float32", fused_attention=False,
                            remat="recompute", scan_layers=(n_layers or 0) >= CPU_SCAN_MIN_LAYERS,
                            attention="blocked", loss_chunk=256)  # fmt: skip
+
+
+def settings_for_model(backend: str, cfg: Any) -> BackendSettings:
+    """``settings_for`` a model config's depth and head width; Needle 3 (``arch="needle3"``) attends
+    through ``jax.nn.dot_product_attention`` at any width, so the width rule leaves it alone."""
+    head_dim = None if getattr(cfg, "arch", None) == "needle3" else cfg.head_dim
+    return settings_for(backend, cfg.n_layers, head_dim)
 
 
 def with_overrides(settings: BackendSettings, train_cfg: Any = None, **overrides: Any) -> BackendSettings:
@@ -249,7 +258,7 @@ def format_probe(info: dict[str, Any]) -> str:
     for d in info["devices"]:
         lines.append(f"  [{d['id']}] {d['platform']}: {d['device_kind']}")
     s = info["settings"]
-    micro = f"of >= {s['micro_batch_tokens']} tokens" if s["micro_batch_tokens"] else "off"
+    micro = f"of >= {s['micro_batch_tokens']} tokens (8192 for heads under 128)" if s["micro_batch_tokens"] else "off"
     lines.append(
         f"Settings: compute {s['compute_dtype']}, params {s['param_dtype']}, "
         f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat']}, "

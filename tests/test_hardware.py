@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from needle.config import TrainConfig
-from needle.hardware import CPU_SCAN_MIN_LAYERS, format_probe, probe, settings_for, with_overrides
+from needle.hardware import CPU_SCAN_MIN_LAYERS, format_probe, probe, settings_for, settings_for_model, with_overrides
 
 
 def test_probe_reports_cpu_here():
@@ -50,6 +50,21 @@ def test_tpu_micro_batches_by_head_width():
     assert settings_for("tpu", 18, head_dim=256).micro_batch_tokens == 4096
     assert settings_for("gpu", 30, head_dim=64).micro_batch_tokens == 0
     assert settings_for("cpu", 30, head_dim=64).micro_batch_tokens == 0
+
+
+def test_model_settings_by_family():
+    """A decoder's head width reaches the rule; Needle 3 (dot_product_attention at any width, its
+    default qk heads 48 wide) keeps the 4096-token micro-batches."""
+    from needle.config import Needle3Config, model_preset
+    from needle.model.needle3.checkpoint import needle3_model_config
+
+    llama = model_preset("small")
+    assert llama.head_dim < 128 and settings_for_model("tpu", llama).micro_batch_tokens == 8192
+    wide = llama.model_copy(update={"head_dim": 128})
+    assert settings_for_model("tpu", wide).micro_batch_tokens == 4096
+    n3 = needle3_model_config(Needle3Config())
+    assert n3.head_dim < 128 and settings_for_model("tpu", n3).micro_batch_tokens == 4096
+    assert settings_for_model("cpu", llama) == settings_for("cpu", llama.n_layers)
 
 
 def test_gpu_report_line():

@@ -32,7 +32,7 @@ from needle.config import LoraConfig, ModelConfig, OptimConfig, TrainConfig, fla
 from needle.data.batching import BatchPlan, PackedPlan, choose_seq_len
 from needle.data.prepare import PreparedData
 from needle.errors import NonFiniteLossError
-from needle.hardware import BackendSettings, enable_compilation_cache, settings_for, with_overrides
+from needle.hardware import BackendSettings, enable_compilation_cache, settings_for, settings_for_model, with_overrides
 from needle.model import lora as lora_lib
 from needle.model.factory import LoadedModel, module_for
 from needle.model.io import load_model, save_model
@@ -325,7 +325,7 @@ def run_training(
     out.mkdir(parents=True, exist_ok=True)
     # Only process 0 reports (several processes run one program: needle/train/distributed.py).
     tracker = tracker if tracker is not None and is_primary() else NoopTracker()
-    settings = with_overrides(settings or settings_for(jax.default_backend(), model_cfg.n_layers, getattr(model_cfg, "head_dim", None)), train_cfg)
+    settings = with_overrides(settings or settings_for_model(jax.default_backend(), model_cfg), train_cfg)
     enable_compilation_cache(train_cfg.compilation_cache_dir)
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size={model_cfg.vocab_size}")
