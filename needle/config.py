@@ -257,7 +257,7 @@ class TrainConfig(_Strict):
     micro_batch_tokens: int | None = Field(
         None, ge=0, description="split each step's batch (after grad_accum's split) in halves while a micro-batch "
         "keeps at least this many tokens; the gradient is the same, summed in one step (0: off; None: the "
-        "backend's default: on a TPU 4096, 8192 for heads narrower than 128)"
+        "backend's default: on a TPU 4096, 8192 for a decoder's heads narrower than 128)"
     )
 
     @model_validator(mode="after")

@@ -258,7 +258,9 @@ def format_probe(info: dict[str, Any]) -> str:
     for d in info["devices"]:
         lines.append(f"  [{d['id']}] {d['platform']}: {d['device_kind']}")
     s = info["settings"]
-    micro = f"of >= {s['micro_batch_tokens']} tokens (8192 for heads under 128)" if s["micro_batch_tokens"] else "off"
+    micro = "off"
+    if s["micro_batch_tokens"]:
+        micro = f"of >= {s['micro_batch_tokens']} tokens (8192 for a decoder's heads under 128)"
     lines.append(
         f"Settings: compute {s['compute_dtype']}, params {s['param_dtype']}, "
         f"fused attention {'on' if s['fused_attention'] else 'off'}, remat {s['remat']}, "
