@@ -147,9 +147,10 @@ def _tpu_micro_batch_tokens(head_dim: int | None) -> int:
     """The least tokens a TPU micro-batch keeps: 4096 for splash-width heads, 8192 for narrower ones.
 
     On a TPU v5e at 16 x 1024 (2026-12-07, bench/results/tpu-2026-12-07c and -07d): Qwen3-0.6B
-    (head_dim 128, splash) LoRA ran 721 / 580 / 504 / 494 ms a step in 1 / 2 / 4 / 8 micro-batches
-    (in 2 remat auto no longer keeps every projection), its full fine-tuning 762 / 647 / 715 ms in
-    1 / 4 / 8; the 135M Llama shape (head_dim 64, the tiled path, whose key-tile loops run once per
+    (head_dim 128, splash) LoRA ran 504 / 494 ms a step in 4 / 8 micro-batches, and before splash's
+    residuals were kept 721 / 580 / 533 / 518 in 1 / 2 / 4 / 8 (in 2 remat auto no longer keeps
+    every projection); its full fine-tuning 647 ms in 4, before 762 / 676 / 715 in 1 / 4 / 8; the
+    135M Llama shape (head_dim 64, the tiled path, whose key-tile loops run once per
     micro-batch) LoRA 201 / 169 / 177 / 196 ms in 1 / 2 / 4 / 8, full 186 / 181 / 198 ms in 1 / 2 / 4.
     """
     # By width, not by the path a batch takes: a sequence that is not a multiple of 128, or an
