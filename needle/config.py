@@ -241,9 +241,9 @@ class TrainConfig(_Strict):
         "jax.checkpoint_policies name; recompute: keep only each block's input, recomputed in a custom VJP, the "
         "one that takes effect on CPU); None: the backend's default (needle/hardware.py)"
     )  # fmt: skip
-    attention: Literal["auto", "blocked", "dense", "splash"] | None = Field(
+    attention: Literal["auto", "blocked", "dense", "splash", "flash"] | None = Field(
         None, description="attention path: blocked (query blocks, no [B,H,T,T] tensor), dense (the old full scores), "
-        "splash (the Pallas TPU kernel), auto (splash on a TPU, cuDNN on NVIDIA GPUs where it serves, else blocked); "
+        "splash (the Pallas TPU kernel), flash (needle's Pallas TPU kernel for packed rows, no window or soft cap), auto (splash on a TPU, cuDNN on NVIDIA GPUs where it serves, else blocked); "
         "None: the backend's default"
     )
     scan_layers: bool | None = Field(

@@ -63,7 +63,9 @@ REMAT_POLICIES = (
 # "splash": Pallas splash attention (needle/model/decoder/splash.py), what "auto" takes on a TPU for the
 # shapes it accepts with heads of 128 or wider (narrower: blocked); asked for elsewhere it runs in the
 # Pallas interpreter (tests).
-ATTENTION_PATHS = ("auto", "blocked", "dense", "splash")
+# "flash": needle's own Pallas kernel for packed rows (needle/model/decoder/flash.py: causal, segment
+# ids, any head width; no sliding window or soft cap), only when asked for; off a TPU interpreted.
+ATTENTION_PATHS = ("auto", "blocked", "dense", "splash", "flash")
 
 
 def prepare_platform_env() -> None:

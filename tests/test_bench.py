@@ -193,3 +193,20 @@ def test_trace_summary_reads_a_real_cpu_trace(tmp_path: Path) -> None:
     assert main([str(tmp_path), "--json", str(out)]) == 0
     (summary,) = json.loads(out.read_text())
     assert summary["n_ops"] > 0 and summary["device_busy_ms"] > 0
+
+
+def test_attention_bench_times_what_the_backend_runs_and_reports_the_rest(tmp_path: Path) -> None:
+    """On the CPU the tiled path is timed and checked against itself; the Pallas kernels, which
+    need a TPU, are reported as errors, not left out."""
+    from bench.attention import main
+
+    out = tmp_path / "attention.json"
+    assert main(["--rows", "1", "--seq", "256", "--paths", "tiled128,flash128", "--repeats", "1", "--layers", "2",
+                 "--out", str(out)]) == 0  # fmt: skip
+    paths = json.loads(out.read_text())["paths"]
+    tiled = paths["tiled128"]
+    assert tiled["fwd_ms"] > 0 and tiled["fwd_bwd_ms"] > 0 and tiled["step_ms"] == 2 * tiled["fwd_bwd_ms"]
+    assert tiled["out_max_diff"] == 0 and tiled["against"] == "tiled128"
+    assert "interpret" in paths["flash128"]["error"]
+    with pytest.raises(SystemExit):
+        main(["--paths", "flash"])  # no block size

@@ -7,7 +7,8 @@ stacks them into the decoder (its docstring has the parameter tree and the cache
     x = block(x, positions, segment_ids)                  # float32 residual stream [B, T, D]
 
 Attention picks its kernel per backend (``settings.attention``): Pallas splash on a TPU for heads
-of ``SPLASH_MIN_HEAD_DIM`` or wider, cuDNN on NVIDIA GPUs, the blocked/tiled XLA path otherwise.
+of ``SPLASH_MIN_HEAD_DIM`` or wider, cuDNN on NVIDIA GPUs, the blocked/tiled XLA path otherwise;
+"flash" (needle/model/decoder/flash.py) only when asked for.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from needle.config import LoraConfig, ModelConfig
 from needle.hardware import GPU_BACKENDS, SPLASH_MIN_HEAD_DIM, BackendSettings
 from needle.model.decoder.attention import blocked_attention, softcapped_attention
+from needle.model.decoder.flash import flash_attention, flash_supported
 from needle.model.decoder.layers import LoraDense, RMSNorm
 from needle.model.decoder.scan import lookup_checkpoint_policy
 from needle.model.decoder.splash import splash_attention, splash_supported
@@ -158,6 +160,9 @@ class Attention(_Layer):
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         path = self.settings.attention
         if mask is None and path != "dense":
+            if path == "flash" and self._flash(q, causal_window):
+                on_tpu = jax.default_backend() == "tpu"  # off a TPU: the Pallas interpreter (tests)
+                return flash_attention(q, k, v, segment_ids, scale=scale, interpret=not on_tpu)
             if self._splash(q):
                 on_tpu = jax.default_backend() == "tpu"  # "splash" asked for off a TPU: the Pallas interpreter
                 return splash_attention(q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap,
@@ -190,6 +195,15 @@ class Attention(_Layer):
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=self._implementation(q)
         )
+
+    def _flash(self, q: jax.Array, window: int | None) -> bool:
+        """Whether "flash" takes this layer: it has no sliding window or soft cap (the kernel has
+        neither: an error, not a silent other path) and the shape suits it (init's dummy tokens do not)."""
+        if window is not None or self.cfg.attn_softcap is not None:
+            raise ValueError("attention='flash' has no sliding window or soft cap: this model needs "
+                             "'splash', 'blocked' or 'auto'")  # fmt: skip
+        initializing = self.scope is not None and self.is_initializing()
+        return not initializing or flash_supported(q.shape[1], q.shape[3])
 
     def _splash(self, q: jax.Array) -> bool:
         """Pallas splash attention: asked for ("splash"), or "auto" on a TPU for the shapes it takes."""
