@@ -154,7 +154,9 @@ def _backward_kernel(tbl_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, s
         dp = jax.lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta)).astype(q.dtype)
         dk_scr[...] += jax.lax.dot_general(ds, q, _NN, preferred_element_type=jnp.float32)
-        dq_scr[g, pl.ds(start, blk), :] += jax.lax.dot_general(ds, k, _TN, preferred_element_type=jnp.float32)
+        # dq transposed ([hd, queries]): the transposed operand of this matmul is then k's small
+        # tile, not the [keys, queries] score tile.
+        dq_scr[g, :, pl.ds(start, blk)] += jax.lax.dot_general(k, ds, _TN, preferred_element_type=jnp.float32)
 
     for g in range(groups):
 
@@ -213,7 +215,8 @@ def _forward(qh, kh, vh, segq, segk, tbl, blk, interpret):  # noqa: ANN001, ANN2
 
 
 def _backward(qh, kh, vh, segq, segk, tbl, lse, delta, doh, blk, interpret):  # noqa: ANN001, ANN202
-    """dq ``[B, H, T, hd]``, dk, dv ``[B, K, T, hd]`` (gradients w.r.t. the scaled queries)."""
+    """dq ``[B, H, T, hd]``, dk, dv ``[B, K, T, hd]`` (gradients w.r.t. the scaled queries); the
+    kernel accumulates dq transposed, ``[B, K, G, hd, T]``."""
     b, h, t, hd = qh.shape
     kv = kh.shape[1]
     g = h // kv
@@ -231,20 +234,20 @@ def _backward(qh, kh, vh, segq, segk, tbl, lse, delta, doh, blk, interpret):  # 
             pl.BlockSpec((None, 1, t), lambda bi, ki, j, tbl: (bi, 0, 0)),
             pl.BlockSpec((None, blk, 1), lambda bi, ki, j, tbl: (bi, j, 0)),
         ],
-        out_specs=[whole, tile, tile],
-        scratch_shapes=[pltpu.VMEM((g, t, hd), jnp.float32), pltpu.VMEM((blk, hd), jnp.float32),
+        out_specs=[pl.BlockSpec((None, None, g, hd, t), lambda bi, ki, j, tbl: (bi, ki, 0, 0, 0)), tile, tile],
+        scratch_shapes=[pltpu.VMEM((g, hd, t), jnp.float32), pltpu.VMEM((blk, hd), jnp.float32),
                         pltpu.VMEM((blk, hd), jnp.float32)],
     )  # fmt: skip
     dq, dk, dv = pl.pallas_call(
         functools.partial(_backward_kernel, blk=blk, groups=g, n=n),
         grid_spec=spec,
-        out_shape=[jax.ShapeDtypeStruct((b, kv, g, t, hd), qh.dtype), jax.ShapeDtypeStruct(kh.shape, kh.dtype),
+        out_shape=[jax.ShapeDtypeStruct((b, kv, g, hd, t), qh.dtype), jax.ShapeDtypeStruct(kh.shape, kh.dtype),
                    jax.ShapeDtypeStruct(vh.shape, vh.dtype)],
         interpret=interpret,
         # dq accumulates across key tiles (the last axis): those steps run in order.
         **_params(interpret, ("parallel", "parallel", "arbitrary")),
     )(tbl, q5, do5, lse5, delta5, kh, vh, segq, segk)
-    return dq.reshape(b, h, t, hd), dk, dv
+    return dq.reshape(b, h, hd, t).transpose(0, 1, 3, 2), dk, dv
 
 
 @functools.lru_cache(maxsize=None)
