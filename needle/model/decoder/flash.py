@@ -77,11 +77,22 @@ def tile_table(segment_ids: jax.Array, blk: int) -> jax.Array:
     return table.astype(jnp.int32)
 
 
-def _mask(seg_k: jax.Array, seg_q: jax.Array, i: jax.Array, j: jax.Array, blk: int) -> jax.Array:
-    """``[blk keys, blk queries]``: key not after query and of the query's segment."""
-    kpos = j * blk + jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0)
-    qpos = i * blk + jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
-    return (kpos <= qpos) & (seg_k == seg_q)
+def _mask(seg_k: jax.Array, seg_q: jax.Array, diagonal: bool, blk: int) -> jax.Array:
+    """``[blk keys, blk queries]``: key of the query's segment and, on the diagonal tile, not after
+    the query (below it every key precedes every query, and the causal test is skipped)."""
+    same = seg_k == seg_q
+    if not diagonal:
+        return same
+    causal = jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0) <= jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
+    return causal & same
+
+
+def _each_tile(kind: jax.Array, diagonal: jax.Array, update) -> None:  # noqa: ANN001
+    """``update(mask)`` for a tile pair of ``kind``: None (FULL, no mask), "segment" (MASKED, below
+    the diagonal) or "diagonal" (the diagonal tile, always masked); nothing for SKIP."""
+    pl.when(kind == FULL)(lambda: update(None))
+    pl.when((kind == MASKED) & jnp.logical_not(diagonal))(lambda: update("segment"))
+    pl.when(diagonal)(lambda: update("diagonal"))
 
 
 def _forward_kernel(tbl_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr,
@@ -94,13 +105,13 @@ def _forward_kernel(tbl_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse
     q = q_ref[...]  # [blk, hd], scaled
     seg_q = segq_ref[...]  # [1, blk]
 
-    def update(j: jax.Array, masked: bool) -> None:
+    def update(j: jax.Array, masked: str | None) -> None:
         start = pl.multiple_of(j * blk, blk)
         k = k_ref[pl.ds(start, blk), :]
         v = v_ref[pl.ds(start, blk), :]
         s = jax.lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # [keys, queries]
         if masked:
-            mask = _mask(segk_ref[pl.ds(start, blk), :], seg_q, i, j, blk)
+            mask = _mask(segk_ref[pl.ds(start, blk), :], seg_q, masked == "diagonal", blk)
             s = jnp.where(mask, s, _NEG)
         m_prev = m_scr[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
@@ -114,9 +125,7 @@ def _forward_kernel(tbl_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse
         m_scr[...] = m_new
 
     def body(j: jax.Array, carry: None) -> None:
-        kind = tbl_ref[b, i, j]
-        pl.when(kind == FULL)(lambda: update(j, False))
-        pl.when(kind == MASKED)(lambda: update(j, True))
+        _each_tile(tbl_ref[b, i, j], j == i, lambda masked: update(j, masked))
         return carry
 
     jax.lax.fori_loop(0, i + 1, body, None)
@@ -140,7 +149,7 @@ def _backward_kernel(tbl_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, s
     v = v_ref[...]
     seg_k = segk_ref[...]  # [blk, 1]
 
-    def update(g: int, i: jax.Array, masked: bool) -> None:
+    def update(g: int, i: jax.Array, masked: str | None) -> None:
         start = pl.multiple_of(i * blk, blk)
         q = q_ref[g, pl.ds(start, blk), :]  # [blk, hd], scaled
         do = do_ref[g, pl.ds(start, blk), :]
@@ -149,7 +158,7 @@ def _backward_kernel(tbl_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, s
         s = jax.lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # [keys, queries]
         p = jnp.exp(s - lse)
         if masked:
-            p = jnp.where(_mask(seg_k, segq_ref[:, pl.ds(start, blk)], i, j, blk), p, 0.0)
+            p = jnp.where(_mask(seg_k, segq_ref[:, pl.ds(start, blk)], masked == "diagonal", blk), p, 0.0)
         dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
         dp = jax.lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta)).astype(q.dtype)
@@ -161,9 +170,7 @@ def _backward_kernel(tbl_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, s
     for g in range(groups):
 
         def body(i: jax.Array, carry: None, g: int = g) -> None:
-            kind = tbl_ref[b, i, j]
-            pl.when(kind == FULL)(lambda: update(g, i, False))
-            pl.when(kind == MASKED)(lambda: update(g, i, True))
+            _each_tile(tbl_ref[b, i, j], i == j, lambda masked: update(g, i, masked))
             return carry
 
         jax.lax.fori_loop(j, n, body, None)
