@@ -120,7 +120,7 @@ def test_projections_policy_keeps_output_and_lse(capsys):
                            policy=lookup_checkpoint_policy(policy))  # fmt: skip
         jax.ad_checkpoint.print_saved_residuals(f, q, k, v)
         kept[policy] = sorted(line.split()[0] for line in capsys.readouterr().out.splitlines() if "named" in line)
-    assert kept == {"projections_saveable": ["f32[1,2,1,128]", "f32[1,2,64,128]"], "nothing_saveable": []}
+    assert kept == {"projections_saveable": ["f32[1,2,1,128]", "i32[1,1,1]", "u32[1,2,64,128]"], "nothing_saveable": []}
 
 
 def test_a_model_asking_for_flash_equals_blocked_and_refuses_windows():

@@ -60,75 +60,83 @@ def _block_size(t: int, block: int) -> int:
 
 
 def tile_table(segment_ids: jax.Array, blk: int) -> jax.Array:
-    """``[B, n, n]`` int32: SKIP, FULL or MASKED for query tile i against key tile j (module doc)."""
+    """``[B, n, n]`` int32: SKIP, FULL or MASKED for query tile i against key tile j (module doc).
+
+    SKIP where key tile j ends before the first position of every segment in query tile i (a
+    segment's first position comes from a sort by (id, position): O(T log T), where comparing
+    every pair of positions cost XLA's estimate as much as the kernel itself at 8 x 1024). Exact
+    for packed rows; with an id that recurs after another row's, a tile pair between the two is
+    MASKED rather than SKIP (computed and masked: the same result, less skipped)."""
     b, t = segment_ids.shape
     n = t // blk
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    ids, order = jax.lax.sort((segment_ids, pos), dimension=1, num_keys=2)
+    new_id = jnp.concatenate([jnp.ones((b, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    run_start = jax.lax.cummax(jnp.where(new_id, pos, 0), axis=1)
+    first = jnp.zeros_like(pos).at[jnp.arange(b)[:, None], order].set(jnp.take_along_axis(order, run_start, axis=1))
+    reach = first.reshape(b, n, blk).min(axis=2) // blk  # [B, n]: the first key tile query tile i needs
     st = segment_ids.reshape(b, n, blk)
-    # Any pair (query in i, key in j, key not after query) of one segment: the tiles' segment sets meet.
-    same = st[:, :, :, None, None] == st[:, None, None, :, :]  # [B, i, q, j, k]
-    meet = jnp.any(same, axis=(2, 4))  # [B, i, j]
     i = jnp.arange(n)
     below = i[:, None] > i[None, :]
-    diag = i[:, None] == i[None, :]
     uniform = jnp.all(st == st[:, :, :1], axis=2)  # [B, n]: one segment in the tile
     one_segment = uniform[:, :, None] & uniform[:, None, :] & (st[:, :, None, 0] == st[:, None, :, 0])
-    full = below & one_segment
-    table = jnp.where(full, FULL, jnp.where((meet & below) | diag, MASKED, SKIP))
+    needed = (below & (i[None, None, :] >= reach[:, :, None])) | (i[:, None] == i[None, :])
+    table = jnp.where(below & one_segment, FULL, jnp.where(needed, MASKED, SKIP))
     return table.astype(jnp.int32)
 
 
 def _mask(seg_k: jax.Array, seg_q: jax.Array, diagonal: bool, blk: int) -> jax.Array:
-    """``[blk keys, blk queries]``: key of the query's segment and, on the diagonal tile, not after
-    the query (below it every key precedes every query, and the causal test is skipped)."""
-    same = seg_k == seg_q
+    """``[blk keys, blk queries]`` from key ids ``[blk, 128]`` (lane-replicated) and query ids
+    ``[1, blk]``: key of the query's segment and, on the diagonal tile, not after the query (below
+    it every key precedes every query, and the causal test is skipped)."""
+    same = jnp.tile(seg_k, (1, blk // _LANES)) == seg_q
     if not diagonal:
         return same
     causal = jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 0) <= jax.lax.broadcasted_iota(jnp.int32, (blk, blk), 1)
     return causal & same
 
 
-def _each_tile(kind: jax.Array, diagonal: jax.Array, update) -> None:  # noqa: ANN001
-    """``update(mask)`` for a tile pair of ``kind``: None (FULL, no mask), "segment" (MASKED, below
-    the diagonal) or "diagonal" (the diagonal tile, always masked); nothing for SKIP."""
-    pl.when(kind == FULL)(lambda: update(None))
-    pl.when((kind == MASKED) & jnp.logical_not(diagonal))(lambda: update("segment"))
-    pl.when(diagonal)(lambda: update("diagonal"))
-
-
-def _forward_kernel(tbl_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr,
+def _forward_kernel(tbl_ref, q_ref, k_ref, vt_ref, segq_ref, segk_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr,
                     *, blk: int):  # fmt: skip
-    """Program (b, h, i): query tile i of head h against key tiles 0..i of its key/value head."""
+    """Program (b, h, i): query tile i of head h against key tiles 0..i of its key/value head, the
+    diagonal tile first (every query's running maximum is then finite: a masked score adds exp(-inf))."""
     b, i = pl.program_id(0), pl.program_id(2)
-    m_scr[...] = jnp.full(m_scr.shape, _NEG, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
     q = q_ref[...]  # [blk, hd], scaled
     seg_q = segq_ref[...]  # [1, blk]
 
-    def update(j: jax.Array, masked: str | None) -> None:
+    def update(j: jax.Array, masked: str | None, first: bool = False) -> None:
         start = pl.multiple_of(j * blk, blk)
         k = k_ref[pl.ds(start, blk), :]
-        v = v_ref[pl.ds(start, blk), :]
+        vt = vt_ref[:, pl.ds(start, blk)]  # [hd, keys]: v transposed by XLA, not per tile here
         s = jax.lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # [keys, queries]
         if masked:
-            mask = _mask(segk_ref[pl.ds(start, blk), :], seg_q, masked == "diagonal", blk)
-            s = jnp.where(mask, s, _NEG)
-        m_prev = m_scr[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
+            s = jnp.where(_mask(segk_ref[pl.ds(start, blk), :], seg_q, masked == "diagonal", blk), s, _NEG)
+        m_tile = jnp.max(s, axis=0, keepdims=True)
+        if first:
+            m_new = m_tile
+        else:
+            m_prev = m_scr[...]
+            m_new = jnp.maximum(m_prev, m_tile)
         p = jnp.exp(s - m_new)
-        if masked:
-            p = jnp.where(mask, p, 0.0)
-        corr = jnp.exp(m_prev - m_new)
-        l_scr[...] = l_scr[...] * corr + jnp.sum(p, axis=0, keepdims=True)
-        pv = jax.lax.dot_general(v, p.astype(v.dtype), _TN, preferred_element_type=jnp.float32)  # [hd, queries]
-        acc_scr[...] = acc_scr[...] * corr + pv
+        pv = jax.lax.dot_general(vt, p.astype(vt.dtype), _NN, preferred_element_type=jnp.float32)  # [hd, queries]
+        if first:
+            l_scr[...] = jnp.sum(p, axis=0, keepdims=True)
+            acc_scr[...] = pv
+        else:
+            corr = jnp.exp(m_prev - m_new)
+            l_scr[...] = l_scr[...] * corr + jnp.sum(p, axis=0, keepdims=True)
+            acc_scr[...] = acc_scr[...] * corr + pv
         m_scr[...] = m_new
 
+    update(i, "diagonal", first=True)
+
     def body(j: jax.Array, carry: None) -> None:
-        _each_tile(tbl_ref[b, i, j], j == i, lambda masked: update(j, masked))
+        kind = tbl_ref[b, i, j]
+        pl.when(kind == FULL)(lambda: update(j, None))
+        pl.when(kind == MASKED)(lambda: update(j, "segment"))
         return carry
 
-    jax.lax.fori_loop(0, i + 1, body, None)
+    jax.lax.fori_loop(0, i, body, None)
     l = l_scr[...]  # every query sees itself: l > 0
     o_ref[...] = (acc_scr[...] / l).astype(o_ref.dtype)
     lse_ref[...] = m_scr[...] + jnp.log(l)
@@ -136,7 +144,8 @@ def _forward_kernel(tbl_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse
 
 def _backward_kernel(tbl_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, segq_ref, segk_ref,
                      dq_ref, dk_ref, dv_ref, dq_scr, dk_scr, dv_scr, *, blk: int, groups: int, n: int):  # fmt: skip
-    """Program (b, kv head, j): key tile j against query tiles j..n-1 of the head's query group."""
+    """Program (b, kv head, j): key tile j against query tiles j..n-1 of the head's query group
+    (the tile pair's kind and mask read once for the group's heads)."""
     b, j = pl.program_id(0), pl.program_id(2)
 
     @pl.when(j == 0)
@@ -146,35 +155,37 @@ def _backward_kernel(tbl_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, s
     dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
     k = k_ref[...]  # [blk, hd]
+    kt = k.T  # once per program: dq's matmul then needs no transposed operand per tile
     v = v_ref[...]
-    seg_k = segk_ref[...]  # [blk, 1]
+    seg_k = segk_ref[...]  # [blk, 128]
 
-    def update(g: int, i: jax.Array, masked: str | None) -> None:
+    def update(i: jax.Array, masked: str | None) -> None:
         start = pl.multiple_of(i * blk, blk)
-        q = q_ref[g, pl.ds(start, blk), :]  # [blk, hd], scaled
-        do = do_ref[g, pl.ds(start, blk), :]
-        lse = lse_ref[g, :, pl.ds(start, blk)]  # [1, blk]
-        delta = delta_ref[g, :, pl.ds(start, blk)]
-        s = jax.lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # [keys, queries]
-        p = jnp.exp(s - lse)
-        if masked:
-            p = jnp.where(_mask(seg_k, segq_ref[:, pl.ds(start, blk)], masked == "diagonal", blk), p, 0.0)
-        dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
-        dp = jax.lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
-        ds = (p * (dp - delta)).astype(q.dtype)
-        dk_scr[...] += jax.lax.dot_general(ds, q, _NN, preferred_element_type=jnp.float32)
-        # dq transposed ([hd, queries]): the transposed operand of this matmul is then k's small
-        # tile, not the [keys, queries] score tile.
-        dq_scr[g, :, pl.ds(start, blk)] += jax.lax.dot_general(k, ds, _TN, preferred_element_type=jnp.float32)
+        mask = None if masked is None else _mask(seg_k, segq_ref[:, pl.ds(start, blk)], masked == "diagonal", blk)
+        for g in range(groups):
+            q = q_ref[g, pl.ds(start, blk), :]  # [blk, hd], scaled
+            do = do_ref[g, pl.ds(start, blk), :]
+            lse = lse_ref[g, :, pl.ds(start, blk)]  # [1, blk]
+            delta = delta_ref[g, :, pl.ds(start, blk)]
+            s = jax.lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)  # [keys, queries]
+            p = jnp.exp(s - lse)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            dv_scr[...] += jax.lax.dot_general(p.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
+            dp = jax.lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+            ds = (p * (dp - delta)).astype(q.dtype)
+            dk_scr[...] += jax.lax.dot_general(ds, q, _NN, preferred_element_type=jnp.float32)
+            # dq transposed ([hd, queries]): no operand of this matmul is the transposed score tile
+            dq_scr[g, :, pl.ds(start, blk)] += jax.lax.dot_general(kt, ds, _NN, preferred_element_type=jnp.float32)
 
-    for g in range(groups):
+    def body(i: jax.Array, carry: None) -> None:
+        kind = tbl_ref[b, i, j]
+        pl.when(kind == FULL)(lambda: update(i, None))
+        pl.when((kind == MASKED) & (i != j))(lambda: update(i, "segment"))
+        pl.when(i == j)(lambda: update(i, "diagonal"))
+        return carry
 
-        def body(i: jax.Array, carry: None, g: int = g) -> None:
-            _each_tile(tbl_ref[b, i, j], i == j, lambda masked: update(g, i, masked))
-            return carry
-
-        jax.lax.fori_loop(j, n, body, None)
-
+    jax.lax.fori_loop(j, n, body, None)
     dk_ref[...] = dk_scr[...].astype(dk_ref.dtype)
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
@@ -193,6 +204,7 @@ def _params(interpret: bool, semantics: tuple[str, ...]) -> dict:
 def _forward(qh, kh, vh, segq, segk, tbl, blk, interpret):  # noqa: ANN001, ANN202
     """oT ``[B, H, hd, T]`` and lse ``[B, H, 1, T]`` of scaled ``qh [B, H, T, hd]``, ``kh/vh [B, K, T, hd]``."""
     b, h, t, hd = qh.shape
+    vt = vh.transpose(0, 1, 3, 2)  # [B, K, hd, T]: the kernel's p·v then transposes no tile
     groups = h // kh.shape[1]
     n = t // blk
     spec = pltpu.PrefetchScalarGridSpec(
@@ -201,9 +213,9 @@ def _forward(qh, kh, vh, segq, segk, tbl, blk, interpret):  # noqa: ANN001, ANN2
         in_specs=[
             pl.BlockSpec((None, None, blk, hd), lambda bi, hi, i, tbl: (bi, hi, i, 0)),
             pl.BlockSpec((None, None, t, hd), lambda bi, hi, i, tbl: (bi, jax.lax.div(hi, groups), 0, 0)),
-            pl.BlockSpec((None, None, t, hd), lambda bi, hi, i, tbl: (bi, jax.lax.div(hi, groups), 0, 0)),
+            pl.BlockSpec((None, None, hd, t), lambda bi, hi, i, tbl: (bi, jax.lax.div(hi, groups), 0, 0)),
             pl.BlockSpec((None, 1, blk), lambda bi, hi, i, tbl: (bi, 0, i)),
-            pl.BlockSpec((None, t, 1), lambda bi, hi, i, tbl: (bi, 0, 0)),
+            pl.BlockSpec((None, t, _LANES), lambda bi, hi, i, tbl: (bi, 0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, hd, blk), lambda bi, hi, i, tbl: (bi, hi, 0, i)),
@@ -218,7 +230,7 @@ def _forward(qh, kh, vh, segq, segk, tbl, blk, interpret):  # noqa: ANN001, ANN2
         out_shape=[jax.ShapeDtypeStruct((b, h, hd, t), qh.dtype), jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32)],
         interpret=interpret,
         **_params(interpret, ("parallel", "parallel", "parallel")),
-    )(tbl, qh, kh, vh, segq, segk)
+    )(tbl, qh, kh, vt, segq, segk)
 
 
 def _backward(qh, kh, vh, segq, segk, tbl, lse, delta, doh, blk, interpret):  # noqa: ANN001, ANN202
@@ -239,7 +251,7 @@ def _backward(qh, kh, vh, segq, segk, tbl, lse, delta, doh, blk, interpret):  # 
         in_specs=[
             whole, whole, rows, rows, tile, tile,
             pl.BlockSpec((None, 1, t), lambda bi, ki, j, tbl: (bi, 0, 0)),
-            pl.BlockSpec((None, blk, 1), lambda bi, ki, j, tbl: (bi, j, 0)),
+            pl.BlockSpec((None, blk, _LANES), lambda bi, ki, j, tbl: (bi, j, 0)),
         ],
         out_specs=[pl.BlockSpec((None, None, g, hd, t), lambda bi, ki, j, tbl: (bi, ki, 0, 0, 0)), tile, tile],
         scratch_shapes=[pltpu.VMEM((g, hd, t), jnp.float32), pltpu.VMEM((blk, hd), jnp.float32),
@@ -268,11 +280,14 @@ def _attention(blk: int, interpret: bool):  # noqa: ANN202
     def fwd(qh, kh, vh, segq, segk, tbl):  # noqa: ANN001, ANN202
         out, lse = _forward(qh, kh, vh, segq, segk, tbl, blk, interpret)
         # Named for remat "projections_saveable" (needle/model/decoder/scan.py), as the tiled path's.
-        out, lse = checkpoint_name(out, "attn_out"), checkpoint_name(lse, "attn_lse")
-        return out, (qh, kh, vh, segq, segk, tbl, out, lse)
+        # The output is kept as its bits: remat rounds a kept float to its own precision with an
+        # op XLA cannot fuse into a Pallas call, an extra pass over [B, H, hd, T] a layer.
+        kept = checkpoint_name(jax.lax.bitcast_convert_type(out, jnp.dtype(f"uint{8 * out.dtype.itemsize}")), "attn_out")
+        return out, (qh, kh, vh, segq, segk, tbl, kept, checkpoint_name(lse, "attn_lse"))
 
     def bwd(res, dout):  # noqa: ANN001, ANN202
-        qh, kh, vh, segq, segk, tbl, out, lse = res
+        qh, kh, vh, segq, segk, tbl, kept, lse = res
+        out = jax.lax.bitcast_convert_type(kept, dout.dtype)
         # rowsum(dO * O) per query, a row of queries like lse: [B, H, 1, T]
         delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=2, keepdims=True)
         doh = dout.transpose(0, 1, 3, 2)  # [B, H, T, hd]
@@ -297,6 +312,10 @@ def flash_attention(
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     qh = (q * scale).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, hd]
     kh, vh = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, K, T, hd]
-    tbl = tile_table(seg, blk)
-    out = _attention(blk, interpret)(qh, kh, vh, seg[:, None, :], seg[:, :, None], tbl)  # [B, H, hd, T]
+    # Named for remat: the backward pass reuses the forward's table, not sorting again per layer.
+    tbl = checkpoint_name(tile_table(seg, blk), "attn_tiles")
+    # Query ids as a row [B, 1, T]; key ids replicated across 128 lanes [B, T, 128], as splash's (a
+    # [B, T, 1] array takes as much memory in the TPU's tiled layout and widens per tile).
+    segk = jnp.broadcast_to(seg[:, :, None], (b, t, _LANES))
+    out = _attention(blk, interpret)(qh, kh, vh, seg[:, None, :], segk, tbl)  # [B, H, hd, T]
     return out.transpose(0, 3, 1, 2).astype(q.dtype)
