@@ -306,7 +306,8 @@ def flash_attention(
     b, t, h, hd = q.shape
     check_self_attention(q, k, "flash")
     if not flash_supported(t, hd, block):
-        raise ValueError(f"flash attention needs T a multiple of {_LANES} and head_dim a multiple of 8: {t=}, {hd=}")
+        raise ValueError(f"flash attention needs T a multiple of {_LANES}, block >= {_LANES} and head_dim a multiple "
+                         f"of 8 from 8 to 256: {t=}, {block=}, {hd=}")  # fmt: skip
     blk = _block_size(t, block)
     scale = hd**-0.5 if scale is None else float(scale)
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
