@@ -26,6 +26,14 @@ DEFAULT_PATHS = "tiled256,tiled128,splash512,flash128,flash256,flash512"
 PATH_RE = re.compile(r"(tiled|splash|flash)(\d+)")
 
 
+def parse_path(name: str) -> tuple[str, int]:
+    """``tiled256`` -> ("tiled", 256); a ValueError naming the form for anything else."""
+    m = PATH_RE.fullmatch(name)
+    if m is None:
+        raise ValueError(f"path {name!r}: tiled|splash|flash followed by a block size, e.g. flash256")
+    return m.group(1), int(m.group(2))
+
+
 def attention_fn(name: str) -> Callable[..., Any]:
     """The attention of a path name (``tiled256``: the tiled path in tiles of 256) as f(q, k, v, seg)."""
     # lazy: jax and the kernels load after argument parsing
@@ -33,10 +41,7 @@ def attention_fn(name: str) -> Callable[..., Any]:
     from needle.model.decoder.splash import splash_attention
     from needle.model.decoder.tiled import tiled_attention
 
-    m = PATH_RE.fullmatch(name)
-    if m is None:
-        raise ValueError(f"path {name!r}: tiled|splash|flash followed by a block size, e.g. flash256")
-    kind, block = m.group(1), int(m.group(2))
+    kind, block = parse_path(name)
     if kind == "tiled":
         return lambda q, k, v, s: tiled_attention(q, k, v, s, block=block)
     if kind == "splash":
@@ -124,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the figures as JSON")
     args = ap.parse_args(argv)
     for name in args.paths.split(","):
-        if PATH_RE.fullmatch(name) is None:
-            ap.error(f"path {name!r}: tiled|splash|flash followed by a block size, e.g. flash256")
+        try:
+            parse_path(name)
+        except ValueError as exc:
+            ap.error(str(exc))
     result = run_paths(args)
     if args.out:
         with open(args.out, "w") as f:

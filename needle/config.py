@@ -243,7 +243,8 @@ class TrainConfig(_Strict):
     )  # fmt: skip
     attention: Literal["auto", "blocked", "dense", "splash", "flash"] | None = Field(
         None, description="attention path: blocked (query blocks, no [B,H,T,T] tensor), dense (the old full scores), "
-        "splash (the Pallas TPU kernel), flash (needle's Pallas TPU kernel for packed rows, no window or soft cap), auto (splash on a TPU, cuDNN on NVIDIA GPUs where it serves, else blocked); "
+        "splash (the Pallas TPU kernel), flash (needle's Pallas TPU kernel for packed rows, no window or soft "
+        "cap), auto (splash on a TPU, cuDNN on NVIDIA GPUs where it serves, else blocked); "
         "None: the backend's default"
     )
     scan_layers: bool | None = Field(

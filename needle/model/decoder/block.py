@@ -160,13 +160,12 @@ class Attention(_Layer):
         scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         path = self.settings.attention
         if mask is None and path != "dense":
+            interpret = jax.default_backend() != "tpu"  # a Pallas kernel asked for off a TPU: its interpreter
             if path == "flash" and self._flash(q, causal_window):
-                on_tpu = jax.default_backend() == "tpu"  # off a TPU: the Pallas interpreter (tests)
-                return flash_attention(q, k, v, segment_ids, scale=scale, interpret=not on_tpu)
+                return flash_attention(q, k, v, segment_ids, scale=scale, interpret=interpret)
             if self._splash(q):
-                on_tpu = jax.default_backend() == "tpu"  # "splash" asked for off a TPU: the Pallas interpreter
                 return splash_attention(q, k, v, scale=scale, window=causal_window, softcap=cfg.attn_softcap,
-                                        segment_ids=segment_ids, interpret=not on_tpu)  # fmt: skip
+                                        segment_ids=segment_ids, interpret=interpret)  # fmt: skip
             fused = path == "auto" and cfg.attn_softcap is None and segment_ids is None and self._implementation(q)
             if fused:
                 local = None if causal_window is None else (causal_window - 1, 0)

@@ -36,8 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from needle.model.decoder.attention import check_self_attention
+from needle.model.decoder.splash import lane_block_size
 
-_LANES = 128
+_LANES = 128  # a TPU vector's lanes: T and every tile a multiple of it
 _NEG = float(jnp.finfo(jnp.float32).min)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -46,17 +47,9 @@ SKIP, FULL, MASKED = 0, 1, 2  # what a (query tile, key tile) pair needs
 
 
 def flash_supported(t: int, head_dim: int, block: int = 256) -> bool:
-    """Whether the kernel takes ``t`` positions with heads of ``head_dim`` in tiles of ``block``."""
-    blk = _block_size(t, block)
-    return t % _LANES == 0 and blk > 0 and head_dim % 8 == 0 and 8 <= head_dim <= 256
-
-
-def _block_size(t: int, block: int) -> int:
-    """The largest multiple of 128 that is at most ``block`` and divides ``t`` (0: none)."""
-    b = min(block, t) // _LANES * _LANES
-    while b >= _LANES and t % b:
-        b -= _LANES
-    return max(b, 0)
+    """Whether the kernel takes ``t`` positions with heads of ``head_dim`` in tiles of ``block``
+    (tiles of splash's ``lane_block_size``: a multiple of 128 dividing ``t``)."""
+    return t >= _LANES and t % _LANES == 0 and block >= _LANES and head_dim % 8 == 0 and 8 <= head_dim <= 256
 
 
 def tile_table(segment_ids: jax.Array, blk: int) -> jax.Array:
@@ -308,7 +301,7 @@ def flash_attention(
     if not flash_supported(t, hd, block):
         raise ValueError(f"flash attention needs T a multiple of {_LANES}, block >= {_LANES} and head_dim a multiple "
                          f"of 8 from 8 to 256: {t=}, {block=}, {hd=}")  # fmt: skip
-    blk = _block_size(t, block)
+    blk = lane_block_size(t, block)
     scale = hd**-0.5 if scale is None else float(scale)
     seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     qh = (q * scale).astype(q.dtype).transpose(0, 2, 1, 3)  # [B, H, T, hd]

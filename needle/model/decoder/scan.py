@@ -51,8 +51,9 @@ MLP_SAVED_NAMES = ("block_mid", "mlp_gate", "mlp_up")
 # What "projections_saveable" keeps: every projection's output, adapter included, and LoRA's x·A
 # (checkpoint names set in needle/model/decoder/layers.py LoraDense), and the tiled attention's
 # output and log-sum-exp (tiled.py, flash.py, with flash's tile table) or the splash kernel's
-# (splash.py), so that attention's forward is not run again in the backward pass (135M Llama LoRA at 16 x 1024 compiled for a TPU v5e:
-# XLA's estimate 445 -> 403 ms a step, 1.1 GiB more temporaries, 2026-12-07).
+# (splash.py), so that attention's forward is not run again in the backward pass (135M Llama LoRA
+# at 16 x 1024 compiled for a TPU v5e: XLA's estimate 445 -> 403 ms a step, 1.1 GiB more
+# temporaries, 2026-12-07).
 PROJECTION_SAVED_NAMES = ("proj_out", "lora_down", "attn_out", "attn_lse", "attn_tiles", SPLASH_RESIDUALS)
 
 

@@ -58,7 +58,7 @@ def splash_supported(t: int, head_dim: int) -> bool:
     return t >= _LANES and t % _LANES == 0 and head_dim >= 8 and head_dim % 8 == 0
 
 
-def _block_size(t: int, block: int) -> int:
+def lane_block_size(t: int, block: int) -> int:
     """The largest multiple of 128 that is at most ``block`` and divides ``t`` (``t % 128 == 0``)."""
     b = max(_LANES, min(block, t) // _LANES * _LANES)
     while t % b:
@@ -79,7 +79,7 @@ def _kernel(
         # A query at p sees keys p-W+1..p: W-1 to the left, none to the right.
         head_mask = sa.LocalMask(shape, window_size=(window - 1, 0), offset=0)
     mask = sa.MultiHeadMask([head_mask] * heads)  # identical per head: processed once, shared
-    b = _block_size(t, block)
+    b = lane_block_size(t, block)
     sizes = sa.BlockSizes(
         block_q=b, block_kv=b, block_kv_compute=b,
         # Backward blocks are what make the kernel differentiable; the fused kernel computes dq
