@@ -25,8 +25,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m needle_flows.cli finetune data/sample/new.jsonl --preset small --base auto
 
+# Two pytest workers (TEST_WORKERS), each taking whole files (--dist loadfile), so a module's
+# servers and stack start once: most of the suite waits on subprocesses and servers, and one
+# process used about one of the two cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --timeout=900 --durations=30
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --timeout=900 --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m "not slow"
