@@ -93,3 +93,20 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
         pytest.fail(f"{pyfuncitem.nodeid} in its own process: exit {proc.returncode}\n{proc.stdout[-6000:]}\n"
                     f"{proc.stderr[-3000:]}", pytrace=False)  # fmt: skip
     return True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files marked slow as a whole (the end-to-end ones) run first, those with more tests before
+    those with fewer: `make test`'s workers take whole files in this order, so the longest start
+    early and the two workers finish together instead of one running the last big file alone."""
+    from collections import Counter
+
+    per_file = Counter(item.path for item in items)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        module = item.getparent(pytest.Module)
+        if module is not None and module.get_closest_marker("slow") is not None:
+            return (0, -per_file[item.path])
+        return (1, 0)
+
+    items.sort(key=key)  # stable: each file's tests stay together and in their own order
