@@ -27,10 +27,11 @@ run: $(STAMP)
 
 # Two pytest workers (TEST_WORKERS), each taking whole files (--dist loadfile), so a module's
 # servers and stack start once: most of the suite waits on subprocesses and servers, and one
-# process used about one of the two cores.
+# process used about one of the two cores. Files in tests/conftest.py's order (end-to-end first),
+# not xdist's default of the files with the most tests first.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --timeout=900 --durations=30 -n $(TEST_WORKERS) --dist loadfile
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q --timeout=900 --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest -q -m "not slow"
